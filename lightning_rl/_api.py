@@ -1,0 +1,70 @@
+"""``configure``, ``open_store``, ``stats``: the wiring between the tracer and the stores."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace import SpanProcessor
+
+from .settings import check_mode
+from .store import Store
+from .store import open_store as _open_store
+from .tracer import diagnostics
+from .tracer.provider import add_span_processors, tracing
+
+_UNSET: Any = object()
+
+
+def open_store(url: str | os.PathLike[str] | None = None) -> Store:
+    """Open a store: ``sqlite:///runs.db``, a plain path, or ``memory://`` (default: LIGHTNING_RL_STORE
+    or ``./lightning_rl.db``)."""
+    return _open_store(url)
+
+
+def configure(
+    *,
+    store: str | os.PathLike[str] | Store | None = _UNSET,
+    mode: str | None = None,
+    policy_version: int | None = None,
+    capture_token_ids: bool | None = None,
+    capture_logprobs: bool | None = None,
+    span_processors: Sequence[SpanProcessor] = (),
+) -> Store:
+    """Set where rollouts go and how they are captured; returns the store in use.
+
+    ``store``: a URL/path or a Store object (default: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``).
+    ``span_processors``: the user's own OTel processors (e.g. an exporter) that also get our spans.
+    """
+    settings = tracing.settings
+    if mode is not None:
+        settings.mode = check_mode(mode)
+    if capture_token_ids is not None:
+        settings.capture_token_ids = bool(capture_token_ids)
+    if capture_logprobs is not None:
+        settings.capture_logprobs = bool(capture_logprobs)
+    if policy_version is not None:
+        tracing.set_policy_version(policy_version)
+    add_span_processors(span_processors)
+    if store is not _UNSET and store is not None:
+        tracing.set_sink(store if isinstance(store, Store) else _open_store(store))
+    return tracing.sink()
+
+
+def set_policy_version(version: int, model: str | None = None) -> None:
+    """Record that the served model (or ``model``) now runs policy ``version``; later spans carry it."""
+    tracing.set_policy_version(version, model)
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Wait until everything traced so far is in the store."""
+    return tracing.sink().flush(timeout)
+
+
+def stats() -> dict[str, int]:
+    """Counters of everything that went wrong or waited (failures are never silent)."""
+    return diagnostics.counters()
+
+
+tracing.set_sink_factory(_open_store)

@@ -1,0 +1,456 @@
+"""The OpenAI Python client adapter: the one place where LLM calls and engine token ids are captured.
+
+``instrument()`` (called when lightning_rl is imported) wraps ``SyncAPIClient.request`` and
+``AsyncAPIClient.request``, the method every endpoint goes through (plain calls,
+``with_raw_response``, ``with_streaming_response``, streaming), so LangChain, AutoGen and plain code
+are all seen. Outside a rollout the wrapper only checks a contextvar and calls through.
+
+Inside a rollout, each ``/chat/completions`` or ``/completions`` request becomes a GenAI span
+(``chat {model}``, kind CLIENT) with the request and response messages, tool calls, and vLLM's
+``prompt_token_ids``, ``token_ids`` and logprobs. The request gets ``return_token_ids: true`` and
+``logprobs`` unless the caller set them or capture is switched off (``configure(capture_token_ids=
+False)``, ``LIGHTNING_RL_CAPTURE_TOKEN_IDS=0``); requests to api.openai.com are never changed.
+Where the server returns no ids the call is still recorded with ``token_ids.source = missing``.
+Nothing here raises into the caller: failures are logged once per cause and counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import orjson
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from .. import semconv
+from ..tracer.context import RolloutState, _rollout, current_agent_name
+from ..tracer.diagnostics import count, report_failure
+from ..tracer.provider import tracing
+
+_SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "n",
+    "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
+)
+_NO_INJECT_HOSTS = frozenset({"api.openai.com"})
+
+
+def _dumps(value: Any) -> str:
+    def default(obj: Any) -> Any:
+        dump = getattr(obj, "model_dump", None)
+        if callable(dump):
+            return dump(mode="json", exclude_none=True)
+        return repr(obj)
+
+    return orjson.dumps(value, default=default).decode()
+
+
+def _endpoint(options: Any) -> str | None:
+    if options.method.lower() != "post":
+        return None
+    url = options.url
+    if url.endswith("/chat/completions"):
+        return semconv.OP_CHAT
+    if url.endswith("/completions"):
+        return semconv.OP_TEXT_COMPLETION
+    return None
+
+
+class _Choice:
+    """What one response choice says (from a full response, or accumulated from stream chunks)."""
+
+    __slots__ = ("content", "tool_calls", "finish_reason", "token_ids", "logprobs", "has_ids")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.has_ids = False
+
+
+class LLMCall:
+    """One in-flight LLM request inside a rollout, and its span."""
+
+    def __init__(self, client: Any, options: Any, op: str, state: RolloutState) -> None:
+        body = dict(options.json_data or {}) if isinstance(options.json_data, dict) else {}
+        extra = dict(options.extra_json or {})
+        request = {**body, **extra}
+        host = getattr(getattr(client, "base_url", None), "host", None)
+        if host not in _NO_INJECT_HOSTS:
+            settings = tracing.settings
+            if settings.capture_token_ids and "return_token_ids" not in request:
+                extra["return_token_ids"] = True
+            if settings.capture_logprobs and request.get("logprobs") is None:
+                extra["logprobs"] = True if op == semconv.OP_CHAT else 0
+            if extra != (options.extra_json or {}):
+                options = options.model_copy(update={"extra_json": extra})
+        self.options = options
+        self.state = state
+        self.op = op
+        self.index = state.next_llm_call()
+        self.agent = current_agent_name()
+        self.model = request.get("model")
+        self.done = False
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_ids: list[int] | None = None
+        self.response_meta: dict[str, Any] = {}
+        if op == semconv.OP_CHAT:
+            messages = request.get("messages") or []
+        else:
+            messages = [{"role": "prompt", "content": request.get("prompt")}]
+        attributes: dict[str, Any] = {
+            semconv.GEN_AI_OPERATION_NAME: op,
+            semconv.GEN_AI_PROVIDER_NAME: "openai",
+            semconv.ROLLOUT_ID: state.rollout_id,
+            semconv.LLM_CALL_INDEX: self.index,
+            semconv.POLICY_VERSION: tracing.policy_version(self.model),
+            semconv.GEN_AI_INPUT_MESSAGES: _dumps(messages),
+            semconv.SAMPLING_PARAMS: _dumps({k: request[k] for k in _SAMPLING_KEYS if request.get(k) is not None}),
+        }
+        if self.model is not None:
+            attributes[semconv.GEN_AI_REQUEST_MODEL] = str(self.model)
+        if self.agent is not None:
+            attributes[semconv.GEN_AI_AGENT_NAME] = self.agent
+        for key, attr in (("temperature", semconv.GEN_AI_REQUEST_TEMPERATURE), ("top_p", semconv.GEN_AI_REQUEST_TOP_P),
+                          ("seed", semconv.GEN_AI_REQUEST_SEED)):
+            value = request.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                attributes[attr] = value
+        max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
+        if isinstance(max_tokens, int):
+            attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
+        if request.get("tools"):
+            attributes[semconv.GEN_AI_TOOL_DEFINITIONS] = _dumps(request["tools"])
+        if host:
+            attributes[semconv.SERVER_ADDRESS] = host
+            port = getattr(client.base_url, "port", None)
+            if port:
+                attributes[semconv.SERVER_PORT] = port
+        self.span = tracing.tracer.start_span(f"{op} {self.model}", kind=SpanKind.CLIENT, attributes=attributes)
+        state.open_calls[self.index] = self
+
+    # -- full responses ----------------------------------------------------------------------------
+    def record_response(self, resp: Any) -> None:
+        try:
+            extra_top = getattr(resp, "model_extra", None) or {}
+            self.prompt_ids = extra_top.get("prompt_token_ids")
+            for choice in getattr(resp, "choices", None) or []:
+                c = self.choices.setdefault(getattr(choice, "index", 0) or 0, _Choice())
+                cextra = getattr(choice, "model_extra", None) or {}
+                if self.prompt_ids is None and cextra.get("prompt_token_ids") is not None:
+                    self.prompt_ids = cextra["prompt_token_ids"]  # /completions puts them in the choice
+                ids = cextra.get("token_ids")
+                if ids is not None:
+                    c.token_ids, c.has_ids = list(ids), True
+                c.finish_reason = getattr(choice, "finish_reason", None)
+                message = getattr(choice, "message", None)
+                lp = getattr(choice, "logprobs", None)
+                if message is not None:
+                    c.content = [message.content or ""]
+                    for i, tc in enumerate(message.tool_calls or []):
+                        fn = getattr(tc, "function", None)
+                        c.tool_calls[i] = {
+                            "id": tc.id, "type": "function",
+                            "function": {"name": getattr(fn, "name", ""), "arguments": getattr(fn, "arguments", "")},
+                        }
+                    if lp is not None and lp.content:
+                        c.logprobs = [t.logprob for t in lp.content]
+                else:
+                    c.content = [getattr(choice, "text", "") or ""]
+                    if lp is not None and getattr(lp, "token_logprobs", None):
+                        c.logprobs = [x if x is not None else 0.0 for x in lp.token_logprobs]
+            self._meta_from(resp)
+            usage = getattr(resp, "usage", None)
+            if usage is not None:
+                self.response_meta["usage"] = usage
+        except Exception as exc:
+            report_failure("reading an LLM response", exc)
+        self.finish()
+
+    def _meta_from(self, obj: Any) -> None:
+        if "id" not in self.response_meta and getattr(obj, "id", None):
+            self.response_meta["id"] = obj.id
+            self.response_meta["model"] = getattr(obj, "model", None)
+
+    # -- streams -----------------------------------------------------------------------------------
+    def on_chunk(self, chunk: Any) -> None:
+        try:
+            self._meta_from(chunk)
+            extra = getattr(chunk, "model_extra", None) or {}
+            if self.prompt_ids is None and extra.get("prompt_token_ids") is not None:
+                self.prompt_ids = extra["prompt_token_ids"]
+            usage = getattr(chunk, "usage", None)
+            if usage is not None:
+                self.response_meta["usage"] = usage
+            for choice in getattr(chunk, "choices", None) or []:
+                c = self.choices.setdefault(getattr(choice, "index", 0) or 0, _Choice())
+                cextra = getattr(choice, "model_extra", None) or {}
+                if self.prompt_ids is None and cextra.get("prompt_token_ids") is not None:
+                    self.prompt_ids = cextra["prompt_token_ids"]
+                ids = cextra.get("token_ids")
+                if ids:
+                    c.token_ids.extend(ids)
+                    c.has_ids = True
+                elif ids is not None:
+                    c.has_ids = True
+                if getattr(choice, "finish_reason", None):
+                    c.finish_reason = choice.finish_reason
+                delta = getattr(choice, "delta", None)
+                lp = getattr(choice, "logprobs", None)
+                if delta is not None:
+                    if delta.content:
+                        c.content.append(delta.content)
+                    for tc in delta.tool_calls or []:
+                        slot = c.tool_calls.setdefault(
+                            tc.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                        )
+                        if tc.id:
+                            slot["id"] = tc.id
+                        fn = tc.function
+                        if fn is not None:
+                            slot["function"]["name"] += fn.name or ""
+                            slot["function"]["arguments"] += fn.arguments or ""
+                    if lp is not None and lp.content:
+                        c.logprobs.extend(t.logprob for t in lp.content)
+                else:
+                    text = getattr(choice, "text", None)
+                    if text:
+                        c.content.append(text)
+                    if lp is not None and getattr(lp, "token_logprobs", None):
+                        c.logprobs.extend(x if x is not None else 0.0 for x in lp.token_logprobs)
+        except Exception as exc:
+            report_failure("reading a streamed LLM chunk", exc)
+
+    # -- the end -----------------------------------------------------------------------------------
+    def _choice_attributes(self, c: _Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.content)}
+        if c.tool_calls:
+            message["tool_calls"] = [c.tool_calls[i] for i in sorted(c.tool_calls)]
+        attrs: dict[str, Any] = {semconv.GEN_AI_OUTPUT_MESSAGES: _dumps([message])}
+        if c.finish_reason:
+            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (c.finish_reason,)
+        if c.has_ids and self.prompt_ids is not None:
+            attrs[semconv.PROMPT_TOKEN_IDS] = self.prompt_ids
+            attrs[semconv.RESPONSE_TOKEN_IDS] = c.token_ids
+            attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_ENGINE
+        else:
+            attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_MISSING
+            count("llm_calls_without_token_ids")
+            report_failure(
+                "token id capture",
+                message="lightning-rl: an LLM call returned no token ids; it is recorded with "
+                "token_ids.source=missing and left out of training samples (serve with vLLM >= 0.10.2, "
+                "which honours return_token_ids)",
+            )
+        if c.logprobs:
+            attrs[semconv.RESPONSE_LOGPROBS] = c.logprobs
+        return attrs
+
+    def finish(self, *, incomplete: bool = False, error: BaseException | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.state.open_calls.pop(self.index, None)
+        try:
+            meta = self.response_meta
+            common: dict[str, Any] = {}
+            if meta.get("id"):
+                common[semconv.GEN_AI_RESPONSE_ID] = meta["id"]
+            if meta.get("model"):
+                common[semconv.GEN_AI_RESPONSE_MODEL] = meta["model"]
+            usage = meta.get("usage")
+            if usage is not None:
+                common[semconv.GEN_AI_USAGE_INPUT_TOKENS] = usage.prompt_tokens or 0
+                common[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = usage.completion_tokens or 0
+            if incomplete:
+                common[semconv.INCOMPLETE] = True
+            if self.streamed:
+                common[semconv.STREAMED] = True
+            indices = sorted(self.choices) or [0]
+            first = self.choices.get(indices[0], _Choice())
+            span = self.span
+            if error is None:
+                span.set_attributes({**common, **self._choice_attributes(first)})
+            else:
+                span.set_attributes({**common, semconv.TOKEN_IDS_SOURCE: semconv.SOURCE_MISSING})
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            span.end()
+            self.state.llm_call_finished(self.index, self.agent)
+            for i in indices[1:]:  # n > 1: every further choice is an LLM call (and a sample) of its own
+                self._extra_choice_span(common, self.choices[i], i)
+        except Exception as exc:
+            report_failure("recording an LLM call", exc)
+
+    streamed = False
+
+    def _extra_choice_span(self, common: dict[str, Any], choice: _Choice, i: int) -> None:
+        index = self.state.next_llm_call()
+        attrs = dict(self.span.attributes)
+        attrs.update(common)
+        attrs.update(self._choice_attributes(choice))
+        attrs[semconv.LLM_CALL_INDEX] = index
+        attrs[semconv.CHOICE_INDEX] = i
+        span = tracing.tracer.start_span(
+            self.span.name, kind=SpanKind.CLIENT, attributes=attrs, start_time=self.span.start_time
+        )
+        span.end()
+        self.state.llm_call_finished(index, self.agent)
+
+
+# -- attaching to whatever the client returns ----------------------------------------------------
+
+def _wrap_sync_stream(stream: Any, call: LLMCall) -> Any:
+    inner = stream._iterator
+
+    def iterate():
+        try:
+            for chunk in inner:
+                call.on_chunk(chunk)
+                yield chunk
+        except GeneratorExit:
+            call.finish(incomplete=True)
+            raise
+        except BaseException as exc:
+            call.finish(incomplete=True, error=exc)
+            raise
+        call.finish()
+
+    call.streamed = True
+    stream._iterator = iterate()
+    return stream
+
+
+def _wrap_async_stream(stream: Any, call: LLMCall) -> Any:
+    inner = stream._iterator
+
+    async def iterate():
+        try:
+            async for chunk in inner:
+                call.on_chunk(chunk)
+                yield chunk
+        except GeneratorExit:
+            call.finish(incomplete=True)
+            raise
+        except BaseException as exc:
+            call.finish(incomplete=True, error=exc)
+            raise
+        call.finish()
+
+    call.streamed = True
+    stream._iterator = iterate()
+    return stream
+
+
+def _attach(result: Any, call: LLMCall) -> Any:
+    """Record ``result`` (a response, a stream, or a raw response) into ``call``. Never raises."""
+    try:
+        from openai import AsyncStream, Stream
+
+        if isinstance(result, Stream):
+            return _wrap_sync_stream(result, call)
+        if isinstance(result, AsyncStream):
+            return _wrap_async_stream(result, call)
+        parse = getattr(result, "parse", None)
+        if callable(parse) and not hasattr(result, "choices"):  # with_raw_response / with_streaming_response
+            if inspect.iscoroutinefunction(parse):
+
+                @functools.wraps(parse)
+                async def parse_async(*args: Any, **kwargs: Any) -> Any:
+                    parsed = await parse(*args, **kwargs)
+                    return _attach_parsed(parsed, call)
+
+                result.parse = parse_async
+            else:
+
+                @functools.wraps(parse)
+                def parse_sync(*args: Any, **kwargs: Any) -> Any:
+                    return _attach_parsed(parse(*args, **kwargs), call)
+
+                result.parse = parse_sync
+            return result
+        if hasattr(result, "choices"):
+            call.record_response(result)
+        else:
+            report_failure("unknown LLM response type", message=f"lightning-rl: cannot read an LLM response of type {type(result).__name__}; the call is recorded without a response")
+            call.finish(incomplete=True)
+    except Exception as exc:
+        report_failure("attaching to an LLM response", exc)
+        call.finish(incomplete=True)
+    return result
+
+
+def _attach_parsed(parsed: Any, call: LLMCall) -> Any:
+    if call.done or call.streamed:
+        return parsed
+    return _attach(parsed, call)
+
+
+def _start(client: Any, options: Any) -> LLMCall | None:
+    state = _rollout.get()
+    if state is None:
+        return None
+    try:
+        op = _endpoint(options)
+        return LLMCall(client, options, op, state) if op is not None else None
+    except Exception as exc:
+        report_failure("starting an LLM call span", exc)
+        return None
+
+
+def _wrap_sync(original: Any) -> Any:
+    @functools.wraps(original)
+    def request(self: Any, cast_to: Any, options: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _start(self, options)
+        if call is None:
+            return original(self, cast_to, options, *args, **kwargs)
+        try:
+            result = original(self, cast_to, call.options, *args, **kwargs)
+        except BaseException as exc:
+            call.finish(error=exc)
+            raise
+        return _attach(result, call)
+
+    request.__lightning_rl_original__ = original
+    return request
+
+
+def _wrap_async(original: Any) -> Any:
+    @functools.wraps(original)
+    async def request(self: Any, cast_to: Any, options: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _start(self, options)
+        if call is None:
+            return await original(self, cast_to, options, *args, **kwargs)
+        try:
+            result = await original(self, cast_to, call.options, *args, **kwargs)
+        except BaseException as exc:
+            call.finish(error=exc)
+            raise
+        return _attach(result, call)
+
+    request.__lightning_rl_original__ = original
+    return request
+
+
+def instrument() -> bool:
+    """Wrap the OpenAI client's request methods (idempotent). Returns False if openai is missing."""
+    try:
+        from openai._base_client import AsyncAPIClient, SyncAPIClient
+    except ImportError:
+        return False
+    if not hasattr(SyncAPIClient.request, "__lightning_rl_original__"):
+        SyncAPIClient.request = _wrap_sync(SyncAPIClient.request)
+    if not hasattr(AsyncAPIClient.request, "__lightning_rl_original__"):
+        AsyncAPIClient.request = _wrap_async(AsyncAPIClient.request)
+    return True
+
+
+def uninstrument() -> None:
+    from openai._base_client import AsyncAPIClient, SyncAPIClient
+
+    for cls in (SyncAPIClient, AsyncAPIClient):
+        original = getattr(cls.request, "__lightning_rl_original__", None)
+        if original is not None:
+            cls.request = original

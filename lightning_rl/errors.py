@@ -1,0 +1,102 @@
+"""Errors raised by lightning-rl.
+
+Every error derives from :class:`LightningRLError` and also from the builtin that matches its
+meaning, so ``except ValueError`` keeps working in user code::
+
+    LightningRLError
+    ├── ConfigurationError (ValueError)       a setting, URL or argument that cannot work
+    ├── UnknownNameError (KeyError)           a registry name that is not registered
+    ├── NotInRolloutError (RuntimeError)      emit_reward() / agent-only calls outside @trace
+    ├── InvalidRewardError (ValueError)       a reward that is not a finite number
+    ├── TaskNotSerializableError (TypeError)  a traced call's task that JSON cannot store
+    └── StoreError
+        ├── NotAStoreError (ValueError)       a file that is not a lightning-rl store
+        ├── SchemaTooNewError (RuntimeError)  a store written by a newer lightning-rl
+        └── RolloutNotFoundError (KeyError)   an unknown rollout id
+
+Messages say what happened, show the offending value (truncated) and say how to fix it.
+"""
+
+from __future__ import annotations
+
+_MAX_SHOWN = 200
+
+
+def shown(value: object) -> str:
+    """The ``repr`` of ``value``, truncated for error messages."""
+    text = repr(value)
+    if len(text) > _MAX_SHOWN:
+        text = text[: _MAX_SHOWN - 3] + "..."
+    return text
+
+
+class LightningRLError(Exception):
+    """Root of every error raised by lightning-rl."""
+
+
+class ConfigurationError(LightningRLError, ValueError):
+    """A setting, URL or argument that cannot work."""
+
+
+class UnknownNameError(LightningRLError, KeyError):
+    """A name that no registry knows. The message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would print the message inside quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class NotInRolloutError(LightningRLError, RuntimeError):
+    """A call that needs an active rollout was made outside any ``@trace``-decorated call."""
+
+
+class InvalidRewardError(LightningRLError, ValueError):
+    """A reward that is not a finite real number."""
+
+
+class TaskNotSerializableError(LightningRLError, TypeError):
+    """The arguments of a traced call cannot be stored as JSON."""
+
+
+class StoreError(LightningRLError):
+    """A problem with the store."""
+
+
+class NotAStoreError(StoreError, ValueError):
+    """The file exists but is not a lightning-rl store."""
+
+
+class SchemaTooNewError(StoreError, RuntimeError):
+    """The store was written by a newer lightning-rl whose schema this version does not know."""
+
+
+class RolloutNotFoundError(StoreError, KeyError):
+    """No rollout with this id exists in the store."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def check_reward(value: object, *, what: str = "reward") -> float:
+    """Return ``value`` as a float, or raise :class:`InvalidRewardError` naming it."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            import numbers
+
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                value = float(value)  # numpy / torch scalars
+            else:
+                raise TypeError
+        except TypeError:
+            raise InvalidRewardError(
+                f"{what} must be a finite real number, got {shown(value)} of type "
+                f"{type(value).__name__}; pass a float such as 1.0"
+            ) from None
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidRewardError(
+            f"{what} must be a finite real number, got {value!r}; "
+            "replace NaN/inf with a finite value (for example clip it) before recording it"
+        )
+    return value

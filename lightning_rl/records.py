@@ -1,0 +1,218 @@
+"""Persisted and wire records (pydantic v2). See DESIGN.md, "Records".
+
+Every record forbids unknown fields and carries ``schema_version`` so that readers can tell a
+record from a newer writer. Hot-path internals use plain dataclasses instead (``tracer.sink.SpanRow``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import ConfigurationError, check_reward
+
+SCHEMA_VERSION = 1
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = SCHEMA_VERSION
+
+
+class Mode(StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+    PROD = "prod"
+
+
+class RolloutStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.TIMED_OUT})
+
+#: The allowed lifecycle transitions, enforced by :func:`check_transition` (the one place).
+TRANSITIONS: dict[RolloutStatus, frozenset[RolloutStatus]] = {
+    RolloutStatus.QUEUED: frozenset({RolloutStatus.RUNNING, RolloutStatus.FAILED}),
+    RolloutStatus.RUNNING: frozenset(
+        {RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.TIMED_OUT, RolloutStatus.QUEUED}
+    ),
+    RolloutStatus.SUCCEEDED: frozenset(),
+    RolloutStatus.FAILED: frozenset(),
+    RolloutStatus.TIMED_OUT: frozenset(),
+}
+
+
+def check_transition(old: RolloutStatus | str, new: RolloutStatus | str) -> RolloutStatus:
+    old, new = RolloutStatus(old), RolloutStatus(new)
+    if new not in TRANSITIONS[old]:
+        allowed = ", ".join(sorted(TRANSITIONS[old])) or "none (it is final)"
+        raise ConfigurationError(
+            f"a rollout cannot go from {old.value!r} to {new.value!r}; allowed from {old.value!r}: {allowed}"
+        )
+    return new
+
+
+class RewardSource(StrEnum):
+    RETURNED = "returned"  # the traced function returned a number
+    EMITTED = "emitted"  # emit_reward() inside the rollout
+    FEEDBACK = "feedback"  # store.add_reward() after the fact (user feedback)
+    FUNCTION = "function"  # a reward function computed it from the trajectory
+
+
+class TokenIdsSource(StrEnum):
+    ENGINE = "engine"
+    RETOKENIZED = "retokenized"
+    MISSING = "missing"
+
+
+class Rollout(_Record):
+    """One call of a traced function."""
+
+    rollout_id: str
+    name: str = ""
+    agent: str | None = None
+    task: Any = None
+    group_id: str | None = None
+    attempt: int = 0
+    mode: Mode = Mode.TRAIN
+    status: RolloutStatus = RolloutStatus.RUNNING
+    policy_version: int | None = None
+    start_time: float = Field(default_factory=time.time)
+    end_time: float | None = None
+    error: str | None = None
+
+
+class Span(_Record):
+    """An OpenTelemetry span as recorded, with its rollout and per-rollout sequence number."""
+
+    rollout_id: str
+    seq: int
+    trace_id: str
+    span_id: str
+    parent_id: str | None = None
+    name: str
+    kind: str = "INTERNAL"
+    start_ns: int
+    end_ns: int
+    status_code: str = "UNSET"
+    status_message: str | None = None
+    attributes: dict[str, Any] = Field(default_factory=dict)
+    events: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class Reward(_Record):
+    """A reward for a rollout, or for one LLM call of it (``llm_call_index``)."""
+
+    rollout_id: str
+    value: float
+    name: str = "reward"
+    llm_call_index: int | None = None
+    agent: str | None = None
+    source: RewardSource = RewardSource.EMITTED
+    time: float = Field(default_factory=time.time)
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _finite(cls, value: Any) -> float:
+        return check_reward(value)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    name: str
+    arguments: str = ""
+
+
+class LLMCall(_Record):
+    """One LLM request/response inside a rollout, derived from its span."""
+
+    index: int
+    span_id: str
+    parent_id: str | None = None
+    operation: str = "chat"
+    model: str | None = None
+    agent_name: str | None = None
+    input_messages: list[dict[str, Any]] = Field(default_factory=list)
+    output_messages: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    response_token_ids: list[int] = Field(default_factory=list)
+    response_logprobs: list[float] | None = None
+    token_ids_source: TokenIdsSource = TokenIdsSource.MISSING
+    policy_version: int | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    finish_reason: str | None = None
+    streamed: bool = False
+    incomplete: bool = False
+    start_ns: int = 0
+    end_ns: int = 0
+    reward: float | None = None  # after credit assignment
+
+    @property
+    def response_text(self) -> str:
+        parts = [m.get("content") or "" for m in self.output_messages]
+        return "".join(p if isinstance(p, str) else "" for p in parts)
+
+
+class Trajectory(_Record):
+    """A rollout with its LLM calls in order and rewards after credit assignment (assembled, not stored)."""
+
+    rollout_id: str
+    name: str = ""
+    task: Any = None
+    group_id: str | None = None
+    attempt: int = 0
+    mode: Mode = Mode.TRAIN
+    status: RolloutStatus
+    policy_version: int | None = None
+    start_time: float
+    end_time: float | None = None
+    error: str | None = None
+    llm_calls: list[LLMCall] = Field(default_factory=list)
+    rewards: list[Reward] = Field(default_factory=list)
+    final_reward: float | None = None
+    credit: str = "final"
+    agents: list[str] = Field(default_factory=list)
+    tool_spans: list[Span] = Field(default_factory=list)
+    missing_token_ids: int = 0  # LLM calls recorded without engine token ids
+
+    @property
+    def total_reward(self) -> float | None:
+        values = [c.reward for c in self.llm_calls if c.reward is not None]
+        return math.fsum(values) if values else self.final_reward
+
+
+class Sample(_Record):
+    """What a trainer consumes: one LLM call, or a whole trajectory merged by exact token prefix."""
+
+    rollout_id: str | None = None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    rollout_logprobs: list[float] | None = None
+    reward: float | None = None
+    token_rewards: list[float] | None = None
+    group_id: str | None = None
+    agent_name: str | None = None
+    policy_version: int | None = None
+    llm_call_indices: list[int] = Field(default_factory=list)
+
+
+def allowed_from(new: RolloutStatus | str) -> frozenset[RolloutStatus]:
+    """The statuses from which a rollout may move to ``new`` (from ``TRANSITIONS``)."""
+    new = RolloutStatus(new)
+    return frozenset(old for old, targets in TRANSITIONS.items() if new in targets)

@@ -1,0 +1,90 @@
+"""Settings read from ``LIGHTNING_RL_*`` environment variables. Each variable is documented once, here.
+
+=================================  ==========================================================  =====================
+variable                           meaning                                                     default
+=================================  ==========================================================  =====================
+``LIGHTNING_RL_STORE``             where rollouts go: ``sqlite:///path.db``, a plain path,      ``sqlite:///lightning_rl.db``
+                                   or ``memory://``
+``LIGHTNING_RL_MODE``              mode recorded on rollouts: ``train``, ``eval`` or ``prod``  ``train``
+``LIGHTNING_RL_CAPTURE_TOKEN_IDS`` add ``return_token_ids`` to LLM requests in a rollout       ``1``
+``LIGHTNING_RL_CAPTURE_LOGPROBS``  add ``logprobs`` to LLM requests in a rollout               ``1``
+``LIGHTNING_RL_POLICY_VERSION``    policy version of the served model at start-up              ``0``
+``LIGHTNING_RL_QUEUE_SIZE``        bound of the background writer's queue (records); a full    ``8192``
+                                   queue blocks the producer (back-pressure), it never drops
+``LIGHTNING_RL_FLUSH_TIMEOUT``     seconds a finishing rollout waits for its rows to be on     ``60``
+                                   disk before it logs a warning and returns
+=================================  ==========================================================  =====================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import ConfigurationError
+
+ENV_STORE = "LIGHTNING_RL_STORE"
+ENV_MODE = "LIGHTNING_RL_MODE"
+ENV_CAPTURE_TOKEN_IDS = "LIGHTNING_RL_CAPTURE_TOKEN_IDS"
+ENV_CAPTURE_LOGPROBS = "LIGHTNING_RL_CAPTURE_LOGPROBS"
+ENV_POLICY_VERSION = "LIGHTNING_RL_POLICY_VERSION"
+ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
+ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
+
+DEFAULT_STORE = "sqlite:///lightning_rl.db"
+MODES = ("train", "eval", "prod")
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"{name}={raw!r} is not a boolean; set it to 1 or 0")
+
+
+def _number(name: str, default: float, kind: type) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name}={raw!r} is not a {kind.__name__}; set it to a number") from None
+    if value < 0:
+        raise ConfigurationError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ConfigurationError(f"mode {mode!r} is not one of {', '.join(MODES)}; pick one of those")
+    return mode
+
+
+@dataclass(slots=True)
+class Settings:
+    store: str = DEFAULT_STORE
+    mode: str = "train"
+    capture_token_ids: bool = True
+    capture_logprobs: bool = True
+    policy_version: int = 0
+    queue_size: int = 8192
+    flush_timeout: float = 60.0
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        return cls(
+            store=os.environ.get(ENV_STORE) or DEFAULT_STORE,
+            mode=check_mode(os.environ.get(ENV_MODE) or "train"),
+            capture_token_ids=_flag(ENV_CAPTURE_TOKEN_IDS, True),
+            capture_logprobs=_flag(ENV_CAPTURE_LOGPROBS, True),
+            policy_version=int(_number(ENV_POLICY_VERSION, 0, int)),
+            queue_size=max(1, int(_number(ENV_QUEUE_SIZE, 8192, int))),
+            flush_timeout=float(_number(ENV_FLUSH_TIMEOUT, 60.0, float)),
+        )

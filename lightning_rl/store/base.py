@@ -1,0 +1,183 @@
+"""The Store: the sink the tracer writes to, plus queries, late rewards, trajectories and samples.
+
+Implementations provide the storage primitives (the ``_``-prefixed methods and the sink methods);
+everything users call is written once here, so every store behaves the same.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
+from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus, Sample, Span, Trajectory
+from ..settings import check_mode
+from .assembly import assemble
+from .samples import SampleStats, trajectory_samples
+
+
+def _since(value: float | dt.datetime | None) -> float | None:
+    if value is None or isinstance(value, (int, float)):
+        return value
+    if isinstance(value, dt.datetime):
+        return value.timestamp()
+    raise ConfigurationError(f"since must be a UNIX time or a datetime, got {shown(value)}")
+
+
+class Store:
+    """Base of every store. Subclasses implement the primitives below."""
+
+    url: str = ""
+
+    # -- primitives (subclasses) -----------------------------------------------------------------
+    def _get_rollout(self, rollout_id: str) -> Rollout | None:
+        raise NotImplementedError
+
+    def _query_rollouts(
+        self, *, mode: str | None, status: str | None, since: float | None,
+        min_policy_version: int | None, limit: int | None, newest_first: bool,
+    ) -> list[Rollout]:
+        raise NotImplementedError
+
+    def _get_spans(self, rollout_id: str) -> list[Span]:
+        raise NotImplementedError
+
+    def _get_rewards(self, rollout_id: str) -> list[Reward]:
+        raise NotImplementedError
+
+    def _insert_reward(self, reward: Reward) -> None:
+        raise NotImplementedError
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public API --------------------------------------------------------------------------------
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        rollout = self._get_rollout(rollout_id)
+        if rollout is None:
+            raise RolloutNotFoundError(
+                f"no rollout {shown(rollout_id)} in {self.url}; list ids with `lightning-rl rollouts ls`"
+            )
+        return rollout
+
+    def rollouts(
+        self,
+        *,
+        mode: str | None = None,
+        status: str | RolloutStatus | None = None,
+        since: float | dt.datetime | None = None,
+        min_policy_version: int | None = None,
+        limit: int | None = None,
+        newest_first: bool = False,
+    ) -> list[Rollout]:
+        if mode is not None:
+            check_mode(mode)
+        if status is not None:
+            try:
+                status = RolloutStatus(status).value
+            except ValueError:
+                raise ConfigurationError(
+                    f"status {status!r} is not one of {', '.join(s.value for s in RolloutStatus)}"
+                ) from None
+        return self._query_rollouts(
+            mode=mode, status=status, since=_since(since), min_policy_version=min_policy_version,
+            limit=limit, newest_first=newest_first,
+        )
+
+    def spans(self, rollout_id: str) -> list[Span]:
+        self.get_rollout(rollout_id)
+        return self._get_spans(rollout_id)
+
+    def rewards(self, rollout_id: str) -> list[Reward]:
+        self.get_rollout(rollout_id)
+        return self._get_rewards(rollout_id)
+
+    def add_reward(
+        self,
+        rollout_id: str,
+        value: float,
+        name: str = "reward",
+        *,
+        llm_call_index: int | None = None,
+        agent: str | None = None,
+        source: str | RewardSource = RewardSource.FEEDBACK,
+    ) -> Reward:
+        """Attach a reward to a rollout, also long after it ended (user feedback). Durable on return."""
+        value = check_reward(value, what=f"reward {name!r}")
+        self.flush()  # a rollout that just finished in this process must be visible
+        self.get_rollout(rollout_id)
+        reward = Reward(
+            rollout_id=rollout_id, value=value, name=name, llm_call_index=llm_call_index,
+            agent=agent, source=RewardSource(source),
+        )
+        self._insert_reward(reward)
+        return reward
+
+    def trajectory(self, rollout_id: str, *, credit: str = "final", reward_name: str = "reward", **credit_kwargs: Any) -> Trajectory:
+        rollout = self.get_rollout(rollout_id)
+        return assemble(
+            rollout, self._get_spans(rollout_id), self._get_rewards(rollout_id),
+            credit=credit, reward_name=reward_name, **credit_kwargs,
+        )
+
+    def trajectories(
+        self,
+        *,
+        mode: str | None = None,
+        since: float | dt.datetime | None = None,
+        min_policy_version: int | None = None,
+        agent: str | None = None,
+        status: str | RolloutStatus | None = None,
+        credit: str = "final",
+        reward_name: str = "reward",
+        limit: int | None = None,
+        **credit_kwargs: Any,
+    ) -> Iterator[Trajectory]:
+        """Assembled trajectories, oldest first. ``agent`` keeps those in which that agent took part."""
+        for rollout in self.rollouts(
+            mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit
+        ):
+            traj = assemble(
+                rollout, self._get_spans(rollout.rollout_id), self._get_rewards(rollout.rollout_id),
+                credit=credit, reward_name=reward_name, **credit_kwargs,
+            )
+            if agent is not None and agent not in traj.agents:
+                continue
+            yield traj
+
+    def samples(
+        self,
+        *,
+        level: str = "call",
+        agents: str | Sequence[str] | None = None,
+        include_unrewarded: bool = False,
+        status: str | RolloutStatus | None = RolloutStatus.SUCCEEDED,
+        **trajectory_filters: Any,
+    ) -> tuple[list[Sample], SampleStats]:
+        """Training samples from finished rollouts (succeeded ones by default; failed rollouts are
+        never mixed in unless asked). Samples without a reward are skipped unless asked."""
+        out: list[Sample] = []
+        stats = SampleStats()
+        for traj in self.trajectories(status=status, **trajectory_filters):
+            samples, s = trajectory_samples(traj, level=level, agents=agents)
+            for sample in samples:
+                if sample.reward is None and not include_unrewarded:
+                    s.skipped_unrewarded += 1
+                    s.samples -= 1
+                    continue
+                out.append(sample)
+            stats.add(s)
+        return out, stats
+
+
+__all__ = ["Store", "Mode"]

@@ -1,0 +1,78 @@
+"""InMemoryStore: the same contract as SQLiteStore, kept in memory (tests, quick experiments)."""
+
+from __future__ import annotations
+
+import threading
+
+from ..records import Reward, Rollout, RolloutStatus, Span, allowed_from
+from ..tracer.diagnostics import count
+from ..tracer.sink import SpanRow
+from .base import Store
+from .rows import span_from_values, span_values
+
+
+class InMemoryStore(Store):
+    def __init__(self) -> None:
+        self.url = "memory://"
+        self._lock = threading.Lock()
+        self._rollouts: dict[str, Rollout] = {}
+        self._spans: dict[str, dict[int, Span]] = {}
+        self._rewards: dict[str, list[Reward]] = {}
+
+    # sink
+    def start_rollout(self, rollout: Rollout) -> None:
+        with self._lock:
+            self._rollouts.setdefault(rollout.rollout_id, rollout.model_copy())
+
+    def write_span(self, row: SpanRow) -> None:
+        span = span_from_values(span_values(row))  # the same JSON round trip as the SQLite store
+        with self._lock:
+            self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+
+    def write_reward(self, reward: Reward) -> None:
+        with self._lock:
+            self._rewards.setdefault(reward.rollout_id, []).append(reward)
+
+    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
+        with self._lock:
+            rollout = self._rollouts.get(rollout_id)
+            if rollout is None or rollout.status not in allowed_from(status):
+                count("rejected_status_transitions")
+                return
+            self._rollouts[rollout_id] = rollout.model_copy(
+                update={"status": RolloutStatus(status), "end_time": end_time, "error": error}
+            )
+
+    def add_spans(self, spans: list[Span]) -> None:
+        with self._lock:
+            for span in spans:
+                self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+
+    # primitives
+    def _get_rollout(self, rollout_id: str) -> Rollout | None:
+        with self._lock:
+            return self._rollouts.get(rollout_id)
+
+    def _query_rollouts(self, *, mode, status, since, min_policy_version, limit, newest_first) -> list[Rollout]:
+        with self._lock:
+            rows = list(self._rollouts.values())  # insertion order = start order
+        out = [
+            r for r in rows
+            if (mode is None or r.mode == mode)
+            and (status is None or r.status == status)
+            and (since is None or r.start_time >= since)
+            and (min_policy_version is None or (r.policy_version is not None and r.policy_version >= min_policy_version))
+        ]
+        out.sort(key=lambda r: r.start_time, reverse=newest_first)
+        return out[:limit] if limit is not None else out
+
+    def _get_spans(self, rollout_id: str) -> list[Span]:
+        with self._lock:
+            return [self._spans.get(rollout_id, {})[k] for k in sorted(self._spans.get(rollout_id, {}))]
+
+    def _get_rewards(self, rollout_id: str) -> list[Reward]:
+        with self._lock:
+            return list(self._rewards.get(rollout_id, []))
+
+    def _insert_reward(self, reward: Reward) -> None:
+        self.write_reward(reward)

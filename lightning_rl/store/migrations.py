@@ -1,0 +1,130 @@
+"""Schema migrations for the SQLite store, registered by decorator and recorded in the database.
+
+``PRAGMA application_id`` marks a file as ours; ``PRAGMA user_version`` is the schema version; the
+``_lightning_rl_migrations`` table records which migrations ran and when. Migrating is safe to
+re-run and safe when several processes open a new file at once (one ``BEGIN IMMEDIATE`` transaction).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+
+import sqlite_utils
+
+from ..errors import NotAStoreError, SchemaTooNewError
+
+APPLICATION_ID = 0x4C524C31  # "LRL1"
+MIGRATIONS_TABLE = "_lightning_rl_migrations"
+
+_MIGRATIONS: dict[int, tuple[str, Callable[[sqlite_utils.Database], None]]] = {}
+
+
+def migration(version: int, name: str) -> Callable[[Callable[[sqlite_utils.Database], None]], Callable]:
+    """Register ``fn`` as the migration to schema ``version``. Returns ``fn`` unchanged."""
+
+    def register(fn: Callable[[sqlite_utils.Database], None]) -> Callable[[sqlite_utils.Database], None]:
+        if version in _MIGRATIONS:
+            raise ValueError(f"migration {version} is registered twice")
+        _MIGRATIONS[version] = (name, fn)
+        return fn
+
+    return register
+
+
+def latest_version() -> int:
+    return max(_MIGRATIONS)
+
+
+@migration(1, "initial: rollouts, spans, rewards")
+def _initial(db: sqlite_utils.Database) -> None:
+    db["rollouts"].create(
+        {
+            "rollout_id": str, "name": str, "agent": str, "task": str, "group_id": str,
+            "attempt": int, "mode": str, "status": str, "policy_version": int,
+            "start_time": float, "end_time": float, "error": str,
+        },
+        pk="rollout_id",
+        not_null={"name", "attempt", "mode", "status", "start_time"},
+    )
+    db["rollouts"].create_index(["mode", "start_time"], index_name="rollouts_mode_start")
+    db["spans"].create(
+        {
+            "rollout_id": str, "seq": int, "trace_id": str, "span_id": str, "parent_id": str,
+            "name": str, "kind": str, "start_ns": int, "end_ns": int, "status_code": str,
+            "status_message": str, "attributes": str, "events": str,
+        },
+        not_null={"rollout_id", "seq", "trace_id", "span_id", "name", "kind", "start_ns", "end_ns",
+                  "status_code", "attributes"},
+    )
+    # One row per (rollout, seq): a retried batch can never duplicate a span.
+    db["spans"].create_index(["rollout_id", "seq"], index_name="spans_rollout_seq", unique=True)
+    db["rewards"].create(
+        {
+            "reward_id": int, "rollout_id": str, "name": str, "value": float,
+            "llm_call_index": int, "agent": str, "source": str, "time": float,
+        },
+        pk="reward_id",
+        not_null={"rollout_id", "name", "value", "source", "time"},
+    )
+    db["rewards"].create_index(["rollout_id"], index_name="rewards_rollout")
+
+
+def _user_tables(conn: sqlite3.Connection) -> list[str]:
+    rows = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")
+    return [r[0] for r in rows]
+
+
+def check_is_store(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse files that are not lightning-rl stores, before anything is written to them."""
+    try:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        tables = _user_tables(conn)
+    except sqlite3.DatabaseError as exc:
+        raise NotAStoreError(
+            f"{path!r} is not a SQLite database ({exc}); give lightning-rl a new file name or an "
+            "existing lightning-rl store (sqlite:///runs.db)"
+        ) from None
+    if app_id == APPLICATION_ID or (app_id == 0 and not tables):
+        return
+    shown = ", ".join(tables[:8]) + (", ..." if len(tables) > 8 else "")
+    raise NotAStoreError(
+        f"{path!r} is a SQLite database that lightning-rl did not create (application_id={app_id}, "
+        f"tables: {shown or 'none'}); refusing to write to it. Use a new file for the store."
+    )
+
+
+def migrate(conn: sqlite3.Connection, path: str) -> int:
+    """Bring the schema up to date; return the version. Raises ``SchemaTooNewError`` untouched."""
+    latest = latest_version()
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > latest:
+        raise SchemaTooNewError(
+            f"{path!r} has store schema version {version}, newer than this lightning-rl understands "
+            f"({latest}); upgrade lightning-rl (pip install -U lightning-rl) to open it"
+        )
+    if version == latest:
+        return version
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        check_is_store(conn, path)  # another process may have created it meanwhile
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > latest:
+            raise SchemaTooNewError(f"{path!r} was upgraded to schema {version} by a newer lightning-rl")
+        db = sqlite_utils.Database(conn)
+        if MIGRATIONS_TABLE not in _user_tables(conn):
+            conn.execute(f"CREATE TABLE {MIGRATIONS_TABLE} (version INTEGER PRIMARY KEY, name TEXT, applied_at REAL)")
+        for target in sorted(v for v in _MIGRATIONS if v > version):
+            name, fn = _MIGRATIONS[target]
+            fn(db)
+            conn.execute(
+                f"INSERT OR REPLACE INTO {MIGRATIONS_TABLE} VALUES (?, ?, ?)", (target, name, time.time())
+            )
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute(f"PRAGMA user_version = {latest}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return latest

@@ -1,0 +1,262 @@
+"""SQLiteStore: the durable default. WAL mode, recorded migrations, one background writer per process.
+
+* Spans, rollouts and rewards are queued to a background writer (bounded queue: a full queue
+  blocks the producer, nothing is dropped) and written in batched transactions.
+* A finishing rollout flushes, so it is on disk before the traced call returns.
+* Several processes may write one file: WAL, ``BEGIN IMMEDIATE`` and a busy timeout; a retried
+  batch cannot duplicate spans (unique ``(rollout_id, seq)``).
+* A batch that cannot be written for ``give_up_after`` seconds is spilled to
+  ``<db>.spill/*.jsonl`` and replayed the next time the store is opened.
+* Files that are not lightning-rl stores, or come from a newer schema, are refused untouched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sqlite3
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..errors import ConfigurationError, StoreError
+from ..records import Reward, Rollout, RolloutStatus, Span, allowed_from
+from ..settings import Settings
+from ..tracer.diagnostics import count, report_failure
+from ..tracer.sink import SpanRow
+from .base import Store
+from .migrations import check_is_store, migrate
+from .rows import (
+    REWARD_COLUMNS, ROLLOUT_COLUMNS, SPAN_COLUMNS, reward_from_values, reward_values,
+    rollout_from_values, rollout_values, span_from_values, span_record_values, span_values,
+)
+from .writer import BackgroundWriter
+
+_INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
+_INSERT_ROLLOUT = f"INSERT OR IGNORE INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) VALUES ({', '.join('?' * len(ROLLOUT_COLUMNS))})"
+_INSERT_REWARD = f"INSERT INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
+
+_open_stores: "weakref.WeakSet[SQLiteStore]" = weakref.WeakSet()
+
+
+def connect(path: str) -> sqlite3.Connection:
+    """Open ``path`` as a lightning-rl store connection (refusing foreign files), WAL mode."""
+    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    try:
+        check_is_store(conn, path)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class SQLiteStore(Store):
+    def __init__(self, path: str | os.PathLike[str], *, queue_size: int | None = None, give_up_after: float = 30.0) -> None:
+        path = os.fspath(path)
+        if path in ("", ":memory:"):
+            raise ConfigurationError(
+                f"SQLiteStore needs a file path, got {path!r}; use InMemoryStore (memory://) for a store in memory"
+            )
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.url = f"sqlite:///{path}"
+        self._queue_size = queue_size or Settings.from_env().queue_size
+        self._give_up_after = give_up_after
+        self._closed = False
+        self._open()
+        _open_stores.add(self)
+
+    def _open(self) -> None:
+        self._wconn = connect(self.path)
+        try:
+            migrate(self._wconn, self.path)
+        except BaseException:
+            self._wconn.close()
+            raise
+        self._rconn = connect(self.path)
+        self._rlock = threading.Lock()
+        self._writer = BackgroundWriter(
+            self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",
+            spill=self._spill, give_up_after=self._give_up_after,
+        )
+        self._replay_spills()
+
+    # -- sink (called by the tracer; never blocks except for back-pressure) -------------------------
+    def start_rollout(self, rollout: Rollout) -> None:
+        self._writer.put("rollout", rollout)
+
+    def write_span(self, row: SpanRow) -> None:
+        self._writer.put("span", row)
+
+    def write_reward(self, reward: Reward) -> None:
+        self._writer.put("reward", reward)
+
+    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
+        self._writer.put("finish", (rollout_id, RolloutStatus(status).value, end_time, error))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        if self._closed:
+            return True
+        return self._writer.flush(timeout)
+
+    def add_spans(self, spans: list[Span]) -> None:
+        """Ingest spans recorded elsewhere (batched, idempotent by (rollout_id, seq)); durable on return."""
+        for span in spans:
+            self._writer.put("span_values", span_record_values(span))
+        if not self.flush(Settings.from_env().flush_timeout):
+            raise StoreError(f"the spans are queued but were not confirmed on disk in {self.path!r} in time")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close()
+        for conn in (self._wconn, self._rconn):
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    # -- the writer thread ------------------------------------------------------------------------
+    def _apply(self, items: list[tuple[str, Any]]) -> None:
+        rollouts, spans, rewards, finishes = [], [], [], []
+        for kind, payload in items:
+            if kind == "span":
+                spans.append(span_values(payload))
+            elif kind == "span_values":
+                spans.append(payload)
+            elif kind == "rollout":
+                rollouts.append(rollout_values(payload) if isinstance(payload, Rollout) else tuple(payload))
+            elif kind == "reward":
+                rewards.append(reward_values(payload) if isinstance(payload, Reward) else tuple(payload))
+            elif kind == "finish":
+                finishes.append(tuple(payload))
+        conn = self._wconn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if rollouts:
+                conn.executemany(_INSERT_ROLLOUT, rollouts)
+            if spans:
+                conn.executemany(_INSERT_SPAN, spans)
+            if rewards:
+                conn.executemany(_INSERT_REWARD, rewards)
+            for rollout_id, status, end_time, error in finishes:
+                sources = sorted(s.value for s in allowed_from(status))
+                marks = ", ".join("?" * len(sources))
+                cur = conn.execute(
+                    f"UPDATE rollouts SET status = ?, end_time = ?, error = ? WHERE rollout_id = ? AND status IN ({marks})",
+                    (status, end_time, error, rollout_id, *sources),
+                )
+                if cur.rowcount == 0:
+                    count("rejected_status_transitions")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _spill_dir(self) -> Path:
+        return Path(self.path + ".spill")
+
+    def _spill(self, items: list[tuple[str, Any]]) -> None:
+        lines = []
+        for kind, payload in items:
+            if kind == "span":
+                kind, payload = "span_values", span_values(payload)
+            elif kind == "rollout" and isinstance(payload, Rollout):
+                payload = rollout_values(payload)
+            elif kind == "reward" and isinstance(payload, Reward):
+                payload = reward_values(payload)
+            lines.append(orjson.dumps({"kind": kind, "payload": payload}))
+        folder = self._spill_dir()
+        folder.mkdir(exist_ok=True)
+        target = folder / f"{os.getpid()}-{time.time_ns()}.jsonl"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(b"\n".join(lines) + b"\n")
+        os.replace(tmp, target)
+        report_failure("spill", message=f"lightning-rl: store {self.path!r} unwritable; {len(items)} records spilled to {target} (replayed on next open)")
+
+    def _replay_spills(self) -> None:
+        folder = self._spill_dir()
+        if not folder.is_dir():
+            return
+        for file in sorted(folder.glob("*.jsonl")):
+            try:
+                items = [(d["kind"], d["payload"]) for d in map(orjson.loads, file.read_bytes().splitlines()) if d]
+                self._apply(items)
+                file.unlink()
+                count("spill_files_replayed")
+            except Exception as exc:
+                report_failure("spill replay", exc)
+
+    def _after_fork(self) -> None:
+        """In a forked child: fresh connections and writer; the parent writes what it had queued."""
+        self._closed = False
+        self._open()
+
+    # -- reads ------------------------------------------------------------------------------------
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._rlock:
+            return self._rconn.execute(sql, params).fetchall()
+
+    def _get_rollout(self, rollout_id: str) -> Rollout | None:
+        rows = self._read(f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM rollouts WHERE rollout_id = ?", (rollout_id,))
+        return rollout_from_values(rows[0]) if rows else None
+
+    def _query_rollouts(self, *, mode, status, since, min_policy_version, limit, newest_first) -> list[Rollout]:
+        where, params = [], []
+        for clause, value in (("mode = ?", mode), ("status = ?", status), ("start_time >= ?", since),
+                              ("policy_version >= ?", min_policy_version)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        sql = f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM rollouts"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY start_time DESC, rowid DESC" if newest_first else " ORDER BY start_time, rowid"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(int(limit))
+        return [rollout_from_values(r) for r in self._read(sql, tuple(params))]
+
+    def _get_spans(self, rollout_id: str) -> list[Span]:
+        rows = self._read(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE rollout_id = ? ORDER BY seq", (rollout_id,))
+        return [span_from_values(r) for r in rows]
+
+    def _get_rewards(self, rollout_id: str) -> list[Reward]:
+        rows = self._read(f"SELECT {', '.join(REWARD_COLUMNS)} FROM rewards WHERE rollout_id = ? ORDER BY reward_id", (rollout_id,))
+        return [reward_from_values(r) for r in rows]
+
+    def _insert_reward(self, reward: Reward) -> None:
+        self._writer.put("reward", reward)
+        if not self.flush(Settings.from_env().flush_timeout):
+            raise StoreError(f"reward for {reward.rollout_id!r} queued but not confirmed on disk in {self.path!r} in time")
+
+
+def _close_all() -> None:
+    for store in list(_open_stores):
+        try:
+            store.close()
+        except Exception as exc:
+            report_failure("close at exit", exc)
+
+
+def _reinit_after_fork() -> None:
+    for store in list(_open_stores):
+        if not store._closed:
+            try:
+                store._after_fork()
+            except Exception as exc:
+                report_failure("store re-open after fork", exc)
+
+
+atexit.register(_close_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)

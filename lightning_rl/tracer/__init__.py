@@ -1,0 +1,22 @@
+"""Rollout context, the ``@trace`` decorator, ``emit_reward`` and the private OTel provider."""
+
+from .context import RolloutState, agent_scope, current_agent_name, current_rollout
+from .decorator import current_rollout_id, rollout_overrides, trace
+from .provider import Tracing, tracing
+from .rewards import emit_reward
+from .sink import SpanRow, SpanSink
+
+__all__ = [
+    "RolloutState",
+    "SpanRow",
+    "SpanSink",
+    "Tracing",
+    "agent_scope",
+    "current_agent_name",
+    "current_rollout",
+    "current_rollout_id",
+    "emit_reward",
+    "rollout_overrides",
+    "trace",
+    "tracing",
+]

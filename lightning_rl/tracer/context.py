@@ -1,0 +1,91 @@
+"""Rollout context carried by contextvars: survives ``await``, asyncio tasks and copied-context threads."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import NotInRolloutError
+
+
+@dataclass(slots=True, eq=False)
+class RolloutState:
+    """Mutable per-rollout bookkeeping shared by every span of one rollout."""
+
+    rollout_id: str
+    name: str
+    agent: str | None
+    mode: str
+    policy_version: int | None
+    seq: Iterator[int] = field(default_factory=itertools.count)
+    llm_call_counter: Iterator[int] = field(default_factory=itertools.count)
+    last_llm_call: int | None = None  # index of the latest LLM call that finished
+    last_llm_call_by_agent: dict[str, int] = field(default_factory=dict)
+    open_calls: dict[int, Any] = field(default_factory=dict)  # in-flight LLM calls (streams)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_llm_call(self) -> int:
+        return next(self.llm_call_counter)
+
+    def llm_call_finished(self, index: int, agent: str | None) -> None:
+        with self.lock:
+            if self.last_llm_call is None or index > self.last_llm_call:
+                self.last_llm_call = index
+            if agent is not None:
+                prev = self.last_llm_call_by_agent.get(agent)
+                if prev is None or index > prev:
+                    self.last_llm_call_by_agent[agent] = index
+
+
+_rollout: ContextVar[RolloutState | None] = ContextVar("lightning_rl_rollout", default=None)
+_agent: ContextVar[str | None] = ContextVar("lightning_rl_agent", default=None)
+
+
+def current_rollout() -> RolloutState | None:
+    """The active rollout, or None outside any traced call."""
+    return _rollout.get()
+
+
+def require_rollout(what: str) -> RolloutState:
+    state = _rollout.get()
+    if state is None:
+        raise NotInRolloutError(
+            f"{what} was called outside any rollout; call it inside a function decorated with "
+            "@lightning_rl.trace (or use store.add_reward(rollout_id, ...) after the rollout ended)"
+        )
+    return state
+
+
+def current_agent_name() -> str | None:
+    """The innermost agent name: agent_scope(), then the traced function's agent."""
+    name = _agent.get()
+    if name is not None:
+        return name
+    state = _rollout.get()
+    return state.agent if state is not None else None
+
+
+@contextlib.contextmanager
+def agent_scope(name: str) -> Iterator[None]:
+    """Name the agent for every LLM call made inside (also across awaits and copied-context threads).
+
+    Inside a rollout this also opens an ``invoke_agent {name}`` span, so the agent's LLM and tool
+    calls become its children. Outside a rollout it only sets the name.
+    """
+    if not isinstance(name, str) or not name:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(f"agent_scope() needs a non-empty agent name, got {name!r}")
+    from .provider import agent_span  # late: provider imports this module
+
+    token = _agent.set(name)
+    try:
+        with agent_span(name):
+            yield
+    finally:
+        _agent.reset(token)

@@ -1,0 +1,306 @@
+"""``@trace``: each call of the decorated function becomes a rollout (sync and async).
+
+Rules users can rely on:
+
+* The task recorded for a rollout is the call's arguments as JSON: the single argument itself when
+  there is one (``self``/``cls`` skipped), else a dict by parameter name; ``task=`` overrides it.
+  Arguments JSON cannot store fail the call with :class:`TaskNotSerializableError` before the
+  agent runs.
+* A traced call inside another traced call is a child ``invoke_agent`` span of the same rollout
+  (its return value is not a reward) unless ``new_rollout=True``.
+* A returned int or float (not bool) is recorded as the final reward (name ``reward``, source
+  ``returned``). A returned NaN/inf marks the rollout failed and raises :class:`InvalidRewardError`.
+* An exception marks the rollout ``failed`` (``timed_out`` for ``TimeoutError``) with the error
+  text, and is re-raised unchanged.
+* The rollout's rows are on disk before the decorated call returns (the sink is flushed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import inspect
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import Status, StatusCode
+
+from .. import semconv
+from ..errors import InvalidRewardError, TaskNotSerializableError, check_reward, shown
+from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
+from ..settings import check_mode
+from .context import RolloutState, _agent, _rollout
+from .diagnostics import report_failure
+from .provider import agent_span, tracing
+
+_overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
+_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task"})
+
+
+@contextlib.contextmanager
+def rollout_overrides(**values: Any) -> Iterator[None]:
+    """Set fields of the next rollout(s) started in this context: ``rollout_id``, ``group_id``,
+    ``attempt``, ``mode``, ``task``. Runners use it; users can use it to choose a rollout id."""
+    unknown = set(values) - _OVERRIDE_KEYS
+    if unknown:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"unknown rollout override(s) {sorted(unknown)}; known: {sorted(_OVERRIDE_KEYS)}"
+        )
+    token = _overrides.set({**(_overrides.get() or {}), **values})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def _json_default(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)  # pydantic models
+    if callable(dump):
+        return dump(mode="json")
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    raise TypeError(type(value).__name__)
+
+
+@dataclass(slots=True)
+class _Options:
+    name: str
+    agent: str | None
+    mode: str | None
+    new_rollout: bool
+    task_fn: Callable[..., Any] | None
+    signature: inspect.Signature | None
+
+
+def _task_of(opts: _Options, args: tuple, kwargs: dict) -> tuple[Any, bytes]:
+    overrides = _overrides.get()
+    if overrides and "task" in overrides:
+        value = overrides["task"]
+    elif opts.task_fn is not None:
+        value = opts.task_fn(*args, **kwargs)
+    else:
+        try:
+            bound = opts.signature.bind(*args, **kwargs) if opts.signature else None
+        except TypeError:
+            bound = None  # the call itself is wrong; the function will raise its own TypeError
+        if bound is None:
+            value = {"args": list(args), "kwargs": kwargs}
+        else:
+            items = [(k, v) for k, v in bound.arguments.items() if k not in ("self", "cls")]
+            value = items[0][1] if len(items) == 1 else dict(items)
+    try:
+        text = orjson.dumps(value, default=_json_default, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except TypeError as exc:
+        raise TaskNotSerializableError(
+            f"the task of traced function {opts.name!r} cannot be stored as JSON ({exc}): {shown(value)}; "
+            "pass JSON-friendly arguments (str, numbers, lists, dicts, pydantic models) or give "
+            "@trace(task=lambda *args, **kwargs: ...) a function that returns a JSON-friendly task"
+        ) from None
+    return orjson.loads(text), text
+
+
+class _Active:
+    """One running rollout: what must be undone and recorded when it ends."""
+
+    __slots__ = ("state", "rollout", "span", "tokens", "sink")
+
+    def __init__(self, state: RolloutState, rollout: Rollout, span: Any, tokens: tuple, sink: Any) -> None:
+        self.state, self.rollout, self.span, self.tokens, self.sink = state, rollout, span, tokens, sink
+
+
+def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
+    task, task_json = _task_of(opts, args, kwargs)
+    overrides = _overrides.get() or {}
+    mode = check_mode(overrides.get("mode") or opts.mode or tracing.settings.mode)
+    agent = opts.agent or opts.name
+    rollout = Rollout(
+        rollout_id=overrides.get("rollout_id") or uuid.uuid4().hex,
+        name=opts.name,
+        agent=agent,
+        task=task,
+        group_id=overrides.get("group_id") or hashlib.sha1(task_json).hexdigest()[:16],
+        attempt=overrides.get("attempt", 0),
+        mode=Mode(mode),
+        status=RolloutStatus.RUNNING,
+        policy_version=tracing.policy_version(),
+    )
+    sink = tracing.sink()  # a store that cannot open is a set-up error: it surfaces here
+    try:
+        sink.start_rollout(rollout)
+    except Exception as exc:
+        report_failure("rollout start", exc)
+    state = RolloutState(rollout.rollout_id, opts.name, agent, mode, rollout.policy_version)
+    rollout_token = _rollout.set(state)
+    agent_token = _agent.set(None)
+    span = None
+    ctx_token = None
+    try:
+        span = tracing.tracer.start_span(
+            f"invoke_agent {agent}",
+            attributes={
+                semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT,
+                semconv.GEN_AI_AGENT_NAME: agent,
+                semconv.ROLLOUT_ID: rollout.rollout_id,
+                semconv.POLICY_VERSION: rollout.policy_version,
+            },
+        )
+        ctx_token = otel_context.attach(otel_trace.set_span_in_context(span))
+    except Exception as exc:
+        report_failure("rollout span", exc)
+    return _Active(state, rollout, span, (rollout_token, agent_token, ctx_token), sink)
+
+
+def _is_reward(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _end(active: _Active, result: Any = None, exc: BaseException | None = None) -> InvalidRewardError | None:
+    """Record the end of a rollout. Returns the reward error to raise, if the returned reward was bad."""
+    state, rollout, span = active.state, active.rollout, active.span
+    status, error, reward_error = RolloutStatus.SUCCEEDED, None, None
+    if exc is not None:
+        status = RolloutStatus.TIMED_OUT if isinstance(exc, TimeoutError) else RolloutStatus.FAILED
+        error = f"{type(exc).__name__}: {exc}"
+    elif _is_reward(result):
+        try:
+            value = check_reward(result, what=f"the reward returned by {rollout.name!r}")
+            active.sink.write_reward(
+                Reward(rollout_id=rollout.rollout_id, value=value, source=RewardSource.RETURNED)
+            )
+        except InvalidRewardError as bad:
+            status, error, reward_error = RolloutStatus.FAILED, str(bad), bad
+        except Exception as failure:
+            report_failure("reward write", failure)
+    try:
+        for call in list(state.open_calls.values()):  # streams the agent never finished reading
+            call.finish(incomplete=True)
+    except Exception as failure:
+        report_failure("closing open LLM calls", failure)
+    rollout_token, agent_token, ctx_token = active.tokens
+    if span is not None:
+        try:
+            if exc is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, error))
+            elif error is not None:
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end()
+        except Exception as failure:
+            report_failure("rollout span end", failure)
+    if ctx_token is not None:
+        otel_context.detach(ctx_token)
+    _agent.reset(agent_token)
+    _rollout.reset(rollout_token)
+    try:
+        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), error)
+    except Exception as failure:
+        report_failure("rollout finish", failure)
+    return reward_error
+
+
+def _flush(sink: Any) -> None:
+    try:
+        if not sink.flush(tracing.settings.flush_timeout):
+            report_failure(
+                "flush timeout",
+                message="lightning-rl: the store did not confirm a finished rollout within "
+                f"{tracing.settings.flush_timeout}s; its rows are still queued, not dropped "
+                "(raise LIGHTNING_RL_FLUSH_TIMEOUT or check the store)",
+            )
+    except Exception as failure:
+        report_failure("flush", failure)
+
+
+def trace(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    agent: str | None = None,
+    mode: str | None = None,
+    new_rollout: bool = False,
+    task: Callable[..., Any] | None = None,
+) -> Any:
+    """Make every call of ``fn`` a rollout. Use as ``@trace`` or ``@trace(name=..., agent=...)``."""
+    if mode is not None:
+        check_mode(mode)
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        try:
+            signature = inspect.signature(func)
+        except (TypeError, ValueError):
+            signature = None
+        opts = _Options(name or func.__qualname__, agent, mode, new_rollout, task, signature)
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                if _rollout.get() is not None and not opts.new_rollout:
+                    with _nested(opts):
+                        return await func(*args, **kwargs)
+                active = _begin(opts, args, kwargs)
+                try:
+                    result = await func(*args, **kwargs)
+                except BaseException as exc:
+                    _end(active, exc=exc)
+                    await asyncio.get_running_loop().run_in_executor(None, _flush, active.sink)
+                    raise
+                reward_error = _end(active, result=result)
+                await asyncio.get_running_loop().run_in_executor(None, _flush, active.sink)
+                if reward_error is not None:
+                    raise reward_error
+                return result
+
+            return async_wrapper
+
+        @functools.wraps(func)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _rollout.get() is not None and not opts.new_rollout:
+                with _nested(opts):
+                    return func(*args, **kwargs)
+            active = _begin(opts, args, kwargs)
+            try:
+                result = func(*args, **kwargs)
+            except BaseException as exc:
+                _end(active, exc=exc)
+                _flush(active.sink)
+                raise
+            reward_error = _end(active, result=result)
+            _flush(active.sink)
+            if reward_error is not None:
+                raise reward_error
+            return result
+
+        return sync_wrapper
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate
+
+
+@contextlib.contextmanager
+def _nested(opts: _Options) -> Iterator[None]:
+    token = _agent.set(opts.agent) if opts.agent else None
+    try:
+        with agent_span(opts.agent or opts.name):
+            yield
+    finally:
+        if token is not None:
+            _agent.reset(token)
+
+
+def current_rollout_id() -> str | None:
+    """The id of the active rollout, or None outside any traced call."""
+    state = _rollout.get()
+    return state.rollout_id if state is not None else None

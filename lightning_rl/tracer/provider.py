@@ -1,0 +1,177 @@
+"""The private OpenTelemetry TracerProvider and the processor that hands finished spans to the sink.
+
+We never touch the global provider: a user's own OTel set-up keeps working, shares the context (so
+parenting works across providers), and can also receive our spans (``configure(span_processors=...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+from .. import semconv
+from ..errors import ConfigurationError
+from ..settings import Settings
+from .context import _rollout
+from .diagnostics import count, report_failure
+from .sink import SpanRow, SpanSink
+
+INSTRUMENTATION_NAME = "lightning_rl"
+
+
+class RolloutSpanProcessor(SpanProcessor):
+    """Numbers each span within its rollout at start and sends it to the sink at end.
+
+    ``on_end`` never raises and never blocks for long: the sink queues the row (and applies
+    back-pressure only when its bounded queue is full).
+    """
+
+    def __init__(self, get_sink: Callable[[], SpanSink]) -> None:
+        self._get_sink = get_sink
+        self._pending: dict[int, tuple] = {}
+
+    def on_start(self, span, parent_context=None) -> None:  # noqa: ANN001 (OTel signature)
+        state = _rollout.get()
+        if state is not None:
+            self._pending[span.context.span_id] = (state.rollout_id, next(state.seq))
+
+    def on_end(self, span: ReadableSpan) -> None:
+        ctx = span.context
+        entry = self._pending.pop(ctx.span_id, None)
+        if entry is None:
+            count("spans_outside_rollout")
+            return
+        try:
+            parent = span.parent
+            status = span.status
+            row = SpanRow(
+                entry[0],
+                entry[1],
+                ctx.trace_id,
+                ctx.span_id,
+                parent.span_id if parent is not None else None,
+                span.name,
+                span.kind.name,
+                span.start_time,
+                span.end_time,
+                status.status_code.name,
+                status.description,
+                span.attributes,
+                span.events,
+            )
+            self._get_sink().write_span(row)
+        except Exception as exc:  # never into the agent
+            report_failure("span export", exc)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return self._get_sink().flush(timeout_millis / 1000)
+        except Exception as exc:
+            report_failure("flush", exc)
+            return False
+
+
+class Tracing:
+    """Process-wide tracing state: private provider, tracer, sink, settings, policy versions."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.settings = Settings.from_env()
+        self._sink: SpanSink | None = None
+        self._sink_factory: Callable[[str], SpanSink] | None = None
+        self._policy_versions: dict[str | None, int] = {None: self.settings.policy_version}
+        limits = SpanLimits(
+            max_span_attributes=512,
+            max_events=1024,
+            max_event_attributes=128,
+            max_attribute_length=SpanLimits.UNSET,  # never truncate messages or token arrays
+            max_span_attribute_length=SpanLimits.UNSET,
+        )
+        # ALWAYS_ON: an OTEL_TRACES_SAMPLER meant for the user's own tracing must not sample away training data.
+        self.provider = TracerProvider(
+            sampler=ALWAYS_ON,
+            span_limits=limits,
+            resource=Resource.create({"service.name": "lightning-rl"}),
+        )
+        self.processor = RolloutSpanProcessor(self.sink)
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer(INSTRUMENTATION_NAME)
+
+    # -- sink -----------------------------------------------------------------------------------
+    def set_sink_factory(self, factory: Callable[[str], SpanSink]) -> None:
+        self._sink_factory = factory
+
+    def set_sink(self, sink: SpanSink | None) -> None:
+        with self._lock:
+            old, self._sink = self._sink, sink
+        if old is not None and old is not sink:
+            try:
+                old.flush()
+            except Exception as exc:
+                report_failure("flush of the previous store", exc)
+
+    def sink(self) -> SpanSink:
+        sink = self._sink
+        if sink is not None:
+            return sink
+        with self._lock:
+            if self._sink is None:
+                if self._sink_factory is None:
+                    raise ConfigurationError("no store is configured; call lightning_rl.configure(store=...)")
+                self._sink = self._sink_factory(self.settings.store)
+            return self._sink
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        """Also give our spans to a processor of the user's (e.g. their exporter)."""
+        self.provider.add_span_processor(processor)
+
+    # -- policy versions ------------------------------------------------------------------------
+    def set_policy_version(self, version: int, model: str | None = None) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigurationError(f"policy version must be a non-negative int, got {version!r}")
+        self._policy_versions[model] = version
+
+    def policy_version(self, model: str | None = None) -> int:
+        versions = self._policy_versions
+        if model is not None and model in versions:
+            return versions[model]
+        return versions[None]
+
+
+tracing = Tracing()
+
+
+@contextlib.contextmanager
+def agent_span(name: str) -> Iterator[None]:
+    """An ``invoke_agent {name}`` span made current for the block, when a rollout is active."""
+    if _rollout.get() is None:
+        yield
+        return
+    try:
+        span = tracing.tracer.start_span(
+            f"invoke_agent {name}",
+            attributes={
+                semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT,
+                semconv.GEN_AI_AGENT_NAME: name,
+            },
+        )
+    except Exception as exc:
+        report_failure("agent span", exc)
+        yield
+        return
+    with otel_trace.use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
+        yield
+
+
+def add_span_processors(processors: Sequence[SpanProcessor]) -> None:
+    for processor in processors:
+        tracing.add_span_processor(processor)
