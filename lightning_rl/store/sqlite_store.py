@@ -43,12 +43,12 @@ _INSERT_REWARD = f"INSERT INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({',
 _open_stores: "weakref.WeakSet[SQLiteStore]" = weakref.WeakSet()
 
 
-def connect(path: str) -> sqlite3.Connection:
+def connect(path: str, busy_timeout: float = 30.0) -> sqlite3.Connection:
     """Open ``path`` as a lightning-rl store connection (refusing foreign files), WAL mode."""
-    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
     try:
         check_is_store(conn, path)
-        conn.execute("PRAGMA busy_timeout = 30000")
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
     except BaseException:
@@ -58,7 +58,10 @@ def connect(path: str) -> sqlite3.Connection:
 
 
 class SQLiteStore(Store):
-    def __init__(self, path: str | os.PathLike[str], *, queue_size: int | None = None, give_up_after: float = 30.0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, queue_size: int | None = None,
+        give_up_after: float = 30.0, busy_timeout: float = 30.0,
+    ) -> None:
         path = os.fspath(path)
         if path in ("", ":memory:"):
             raise ConfigurationError(
@@ -69,18 +72,19 @@ class SQLiteStore(Store):
         self.url = f"sqlite:///{path}"
         self._queue_size = queue_size or Settings.from_env().queue_size
         self._give_up_after = give_up_after
+        self._busy_timeout = busy_timeout
         self._closed = False
         self._open()
         _open_stores.add(self)
 
     def _open(self) -> None:
-        self._wconn = connect(self.path)
+        self._wconn = connect(self.path, self._busy_timeout)
         try:
             migrate(self._wconn, self.path)
         except BaseException:
             self._wconn.close()
             raise
-        self._rconn = connect(self.path)
+        self._rconn = connect(self.path, self._busy_timeout)
         self._rlock = threading.Lock()
         self._writer = BackgroundWriter(
             self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",

@@ -240,7 +240,7 @@ def trace(
             signature = inspect.signature(func)
         except (TypeError, ValueError):
             signature = None
-        opts = _Options(name or func.__qualname__, agent, mode, new_rollout, task, signature)
+        opts = _Options(name or func.__name__, agent, mode, new_rollout, task, signature)
 
         if inspect.iscoroutinefunction(func):
 

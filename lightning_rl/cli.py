@@ -1,0 +1,168 @@
+"""The ``lightning-rl`` command: a thin layer over the Python API (one public call per command)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import sys
+from typing import Any
+
+import click
+
+from .errors import LightningRLError
+
+STORE_HELP = "Store URL or path (default: $LIGHTNING_RL_STORE or ./lightning_rl.db)."
+
+
+def _errors(fn):
+    """User mistakes exit 1 with one line, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LightningRLError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+def _open(store: str | None):
+    from ._api import open_store
+
+    return open_store(store)
+
+
+def _when(ts: float | None) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+@click.group()
+@click.version_option(package_name="lightning-rl")
+def main() -> None:
+    """Trace agents, store their rollouts, export training samples.
+
+    Example: lightning-rl rollouts ls --store sqlite:///runs.db
+    """
+
+
+@main.group()
+def rollouts() -> None:
+    """List and inspect rollouts."""
+
+
+@rollouts.command("ls")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--mode", type=click.Choice(["train", "eval", "prod"]), default=None)
+@click.option("--status", default=None, help="queued, running, succeeded, failed or timed_out.")
+@click.option("--limit", type=int, default=20, show_default=True, help="Newest N rollouts (0 = all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@_errors
+def rollouts_ls(store: str | None, mode: str | None, status: str | None, limit: int, as_json: bool) -> None:
+    """List rollouts, newest first.
+
+    Example: lightning-rl rollouts ls --store runs.db --status failed --json
+    """
+    with _open(store) as s:
+        rows = s.rollouts(mode=mode, status=status, limit=limit or None, newest_first=True)
+        if as_json:
+            for r in rows:
+                click.echo(r.model_dump_json())
+            return
+        click.echo(f"{'ROLLOUT':32}  {'STATUS':9}  {'MODE':5}  {'AGENT':16}  {'POLICY':6}  STARTED")
+        for r in rows:
+            click.echo(
+                f"{r.rollout_id:32}  {r.status.value:9}  {r.mode.value:5}  {(r.agent or '-')[:16]:16}  "
+                f"{r.policy_version if r.policy_version is not None else '-':>6}  {_when(r.start_time)}"
+            )
+
+
+def _message_line(message: dict[str, Any]) -> list[str]:
+    role = message.get("role", "?")
+    content = message.get("content")
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    lines = [f"    {role}: {content}" if content else f"    {role}:"]
+    for tc in message.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        lines.append(f"      -> tool call {fn.get('name')}({fn.get('arguments')}) id={tc.get('id')}")
+    return lines
+
+
+@rollouts.command("show")
+@click.argument("rollout_id")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--credit", default="final", show_default=True, help="Credit assignment for per-call rewards.")
+@click.option("--json", "as_json", is_flag=True, help="The assembled trajectory as JSON.")
+@_errors
+def rollouts_show(rollout_id: str, store: str | None, credit: str, as_json: bool) -> None:
+    """Show one rollout: the conversation with tool calls, token counts and rewards.
+
+    Example: lightning-rl rollouts show 3f2a... --store runs.db
+    """
+    with _open(store) as s:
+        t = s.trajectory(rollout_id, credit=credit)
+    if as_json:
+        click.echo(t.model_dump_json(indent=2))
+        return
+    click.echo(f"rollout {t.rollout_id}  {t.status.value}  mode={t.mode.value}  policy={t.policy_version}  "
+               f"final_reward={t.final_reward}")
+    click.echo(f"  task: {json.dumps(t.task)[:300]}")
+    if t.error:
+        click.echo(f"  error: {t.error}")
+    seen: list[dict[str, Any]] = []
+    for c in t.llm_calls:
+        ids = f"{len(c.prompt_token_ids)}+{len(c.response_token_ids)} tokens ({c.token_ids_source.value})"
+        click.echo(f"  [{c.index}] {c.agent_name or '-'}  {c.operation} {c.model}  {ids}  reward={c.reward}"
+                   + ("  streamed" if c.streamed else "") + ("  INCOMPLETE" if c.incomplete else ""))
+        new = c.input_messages[len(seen):] if c.input_messages[: len(seen)] == seen else c.input_messages
+        for m in new:
+            for line in _message_line(m):
+                click.echo(line)
+        for m in c.output_messages:
+            for line in _message_line(m):
+                click.echo(line)
+        seen = c.input_messages + c.output_messages
+    for span in t.tool_spans:
+        a = span.attributes
+        click.echo(f"  tool {a.get('gen_ai.tool.name')} id={a.get('gen_ai.tool.call.id')} status={span.status_code}")
+    if t.missing_token_ids:
+        click.echo(f"  warning: {t.missing_token_ids} LLM call(s) have no engine token ids and cannot be trained on")
+    for r in t.rewards:
+        where = f"call {r.llm_call_index}" if r.llm_call_index is not None else "rollout"
+        click.echo(f"  reward {r.name}={r.value} ({r.source.value}, {where}{', agent ' + r.agent if r.agent else ''})")
+
+
+@main.command("export")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
+@click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True,
+              help="One sample per LLM call, or per trajectory (merged by exact token prefix).")
+@click.option("--credit", default="final", show_default=True, help="final, discounted, per_step, return_to_go, ...")
+@click.option("--agents", default=None, help="Regex of agent names to keep (full match).")
+@click.option("--mode", type=click.Choice(["train", "eval", "prod"]), default=None)
+@click.option("--min-policy-version", type=int, default=None)
+@click.option("--include-unrewarded", is_flag=True, help="Also samples without a reward.")
+@click.option("-o", "--out", type=click.File("w"), default="-", help="Output file (default stdout).")
+@_errors
+def export(store, fmt, level, credit, agents, mode, min_policy_version, include_unrewarded, out) -> None:
+    """Export training samples of succeeded rollouts as JSON lines.
+
+    Example: lightning-rl export --format jsonl --level trajectory --credit final -o samples.jsonl
+    """
+    with _open(store) as s:
+        samples, stats = s.samples(
+            level=level, agents=agents, include_unrewarded=include_unrewarded, credit=credit,
+            mode=mode, min_policy_version=min_policy_version,
+        )
+    for sample in samples:
+        out.write(sample.model_dump_json() + "\n")
+    click.echo(
+        f"exported {stats.samples} samples ({stats.splits} prefix splits, {stats.missing_token_ids} calls "
+        f"without token ids, {stats.skipped_unrewarded} unrewarded skipped)", err=True,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Builders for records written straight into a store (no tracer), for store-level tests."""
+
+from __future__ import annotations
+
+import orjson
+
+from lightning_rl import semconv
+from lightning_rl.records import Rollout, Span
+
+
+def llm_span(rollout_id: str, seq: int, index: int, prompt: list[int], response: list[int], *,
+             agent: str | None = None, logprobs: list[float] | None = None, source: str = "engine",
+             policy_version: int = 0) -> Span:
+    attrs = {
+        semconv.GEN_AI_OPERATION_NAME: "chat",
+        semconv.GEN_AI_REQUEST_MODEL: "tiny",
+        semconv.LLM_CALL_INDEX: index,
+        semconv.POLICY_VERSION: policy_version,
+        semconv.TOKEN_IDS_SOURCE: source,
+        semconv.GEN_AI_INPUT_MESSAGES: orjson.dumps([{"role": "user", "content": f"turn {index}"}]).decode(),
+        semconv.GEN_AI_OUTPUT_MESSAGES: orjson.dumps([{"role": "assistant", "content": f"answer {index}"}]).decode(),
+    }
+    if source == "engine":
+        attrs[semconv.PROMPT_TOKEN_IDS] = prompt
+        attrs[semconv.RESPONSE_TOKEN_IDS] = response
+        attrs[semconv.RESPONSE_LOGPROBS] = logprobs if logprobs is not None else [-0.5] * len(response)
+    if agent:
+        attrs[semconv.GEN_AI_AGENT_NAME] = agent
+    return Span(rollout_id=rollout_id, seq=seq, trace_id="%032x" % 1, span_id="%016x" % (seq + 1),
+                parent_id="%016x" % 1 if seq else None, name="chat tiny", kind="CLIENT",
+                start_ns=1000 - seq, end_ns=2000 - seq, attributes=attrs)  # clocks deliberately backwards
+
+
+def rollout(rollout_id: str, **kw) -> Rollout:
+    return Rollout(rollout_id=rollout_id, name="agent", agent="agent", task={"q": rollout_id}, **kw)

@@ -1,0 +1,154 @@
+"""Trajectory assembly, credit assignment and samples, from records in a real in-memory store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.records import Reward, RewardSource, RolloutStatus
+from lightning_rl.store import InMemoryStore, get_credit_assigner, split_rewards, trajectory_samples
+
+from .helpers import llm_span, rollout
+
+
+def _store_with(calls, rewards=(), rid="r1"):
+    s = InMemoryStore()
+    s.start_rollout(rollout(rid))
+    s.add_spans(calls)
+    for r in rewards:
+        s.write_reward(r)
+    s.finish_rollout(rid, RolloutStatus.SUCCEEDED, time.time(), None)
+    return s
+
+
+def test_calls_ordered_by_per_rollout_index_not_clock():
+    # seq 0 has the latest clock in helpers; index decides the order.
+    s = _store_with([llm_span("r1", 0, 1, [1, 2, 3], [4]), llm_span("r1", 1, 0, [1], [2])])
+    assert [c.index for c in s.trajectory("r1").llm_calls] == [0, 1]
+
+
+def test_missing_token_ids_are_reported_and_kept_out_of_samples():
+    s = _store_with([llm_span("r1", 0, 0, [1], [2]), llm_span("r1", 1, 1, [], [], source="missing")],
+                    [Reward(rollout_id="r1", value=1.0, source=RewardSource.RETURNED)])
+    t = s.trajectory("r1")
+    assert t.missing_token_ids == 1 and len(t.llm_calls) == 2
+    samples, stats = trajectory_samples(t)
+    assert len(samples) == 1 and stats.missing_token_ids == 1
+
+
+def R(value, index=None, source=RewardSource.EMITTED, name="reward"):
+    return Reward(rollout_id="r1", value=value, llm_call_index=index, source=source, name=name)
+
+
+def test_split_rewards_rules():
+    final, steps = split_rewards([R(0.1, 0), R(0.2, 1), R(1.0, source=RewardSource.RETURNED)], 3)
+    assert final == 1.0 and steps == [0.1, 0.2, 0.0]
+    # no rollout-level reward: the latest emitted one is final, and not also a step
+    final, steps = split_rewards([R(0.1, 0), R(0.7, 2)], 3)
+    assert final == 0.7 and steps == [0.1, 0.0, 0.0]
+    # emitted before any call finished (index None) goes to call 0; other names are ignored
+    final, steps = split_rewards([R(0.3, None), R(5.0, 1, name="other"), R(1.0, None, RewardSource.FEEDBACK)], 2)
+    assert final == 1.0 and steps == [0.3, 0.0]
+    # late feedback overrides the returned reward (latest rollout-level reward wins)
+    final, _ = split_rewards([R(1.0, source=RewardSource.RETURNED), R(0.0, source=RewardSource.FEEDBACK)], 1)
+    assert final == 0.0
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,expected",
+    [
+        ("final", {}, [1.0, 1.0, 1.0]),
+        ("discounted", {"gamma": 0.5}, [0.25, 0.5, 1.0]),
+        ("per_step", {}, [1.5, 1.0, 1.25]),
+        ("return_to_go", {"gamma": 1.0}, [1.75, 1.25, 1.25]),
+    ],
+)
+def test_credit_assigners(name, kwargs, expected):
+    assert get_credit_assigner(name)(3, 1.0, [0.5, 0.0, 0.25], **kwargs) == pytest.approx(expected)
+
+
+def test_credit_without_any_reward_gives_none():
+    for name in ("final", "discounted", "per_step", "return_to_go"):
+        assert get_credit_assigner(name)(2, None, [0.0, 0.0]) == [None, None]
+
+
+def test_unknown_credit_lists_known_names():
+    with pytest.raises(lrl.UnknownNameError) as info:
+        get_credit_assigner("montecarlo")
+    message = str(info.value)
+    assert "montecarlo" in message and all(n in message for n in ("final", "discounted", "per_step"))
+    assert isinstance(info.value, KeyError)
+
+
+def test_registered_credit_is_usable_by_name():
+    @lrl.register_credit("last_only")
+    def last_only(n, final, steps):
+        return [None] * (n - 1) + [final]
+
+    s = _store_with([llm_span("r1", 0, 0, [1], [2]), llm_span("r1", 1, 1, [1, 2, 9], [3])],
+                    [R(1.0, source=RewardSource.RETURNED)])
+    assert [c.reward for c in s.trajectory("r1", credit="last_only").llm_calls] == [None, 1.0]
+
+
+def test_call_level_samples():
+    s = _store_with([llm_span("r1", 0, 0, [1, 2], [3, 4], logprobs=[-0.1, -0.2])],
+                    [R(1.0, source=RewardSource.RETURNED)])
+    (sample,), stats = trajectory_samples(s.trajectory("r1"), level="call")
+    assert (sample.prompt_ids, sample.response_ids, sample.response_mask) == ([1, 2], [3, 4], [1, 1])
+    assert sample.rollout_logprobs == [-0.1, -0.2] and sample.reward == 1.0
+    assert sample.group_id == s.get_rollout("r1").group_id and stats.samples == 1
+
+
+def test_trajectory_level_merges_exact_prefix_with_observation_mask():
+    calls = [
+        llm_span("r1", 0, 0, [1, 2], [3, 4], logprobs=[-0.1, -0.2]),
+        llm_span("r1", 1, 1, [1, 2, 3, 4, 7, 8], [5], logprobs=[-0.3]),  # 7, 8 = tool result tokens
+        llm_span("r1", 2, 2, [1, 2, 3, 4, 7, 8, 5, 9], [6], logprobs=[-0.4]),
+    ]
+    s = _store_with(calls, [R(0.5, 1), R(1.0, source=RewardSource.RETURNED)])
+    (sample,), stats = trajectory_samples(s.trajectory("r1", credit="per_step"), level="trajectory")
+    assert sample.prompt_ids == [1, 2]
+    assert sample.response_ids == [3, 4, 7, 8, 5, 9, 6]
+    assert sample.response_mask == [1, 1, 0, 0, 1, 0, 1]
+    assert sample.rollout_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3, 0.0, -0.4]
+    assert sample.token_rewards == [0.0, 1.0, 0.0, 0.0, 1.5, 0.0, 1.0]
+    assert sample.reward == 1.0 and sample.llm_call_indices == [0, 1, 2]
+    assert stats.splits == 0
+
+
+def test_trajectory_level_splits_on_broken_prefix_and_counts_it():
+    calls = [
+        llm_span("r1", 0, 0, [1, 2], [3]),
+        llm_span("r1", 1, 1, [1, 2, 99, 5], [6]),  # re-rendered history: not an extension
+        llm_span("r1", 2, 2, [1, 2, 99, 5, 6, 7], [8]),
+    ]
+    s = _store_with(calls, [R(1.0, source=RewardSource.RETURNED)])
+    samples, stats = trajectory_samples(s.trajectory("r1"), level="trajectory")
+    assert [x.llm_call_indices for x in samples] == [[0], [1, 2]]
+    assert stats.splits == 1
+
+
+def test_agent_selection_by_names_or_regex():
+    calls = [llm_span("r1", 0, 0, [1], [2], agent="writer"), llm_span("r1", 1, 1, [1, 2, 3], [4], agent="critic"),
+             llm_span("r1", 2, 2, [5], [6], agent="writer-2")]
+    s = _store_with(calls, [R(1.0, source=RewardSource.RETURNED)])
+    t = s.trajectory("r1")
+    assert [x.agent_name for x in trajectory_samples(t, agents=["critic"])[0]] == ["critic"]
+    assert [x.agent_name for x in trajectory_samples(t, agents="writer.*")[0]] == ["writer", "writer-2"]
+
+
+def test_store_samples_skip_failed_and_unrewarded_rollouts():
+    s = _store_with([llm_span("ok", 0, 0, [1], [2])], [Reward(rollout_id="ok", value=1.0, source="returned")], rid="ok")
+    s.start_rollout(rollout("bad"))
+    s.add_spans([llm_span("bad", 0, 0, [1], [2])])
+    s.write_reward(Reward(rollout_id="bad", value=1.0, source="returned"))
+    s.finish_rollout("bad", RolloutStatus.FAILED, time.time(), "model call failed")
+    s.start_rollout(rollout("none"))
+    s.add_spans([llm_span("none", 0, 0, [1], [2])])
+    s.finish_rollout("none", RolloutStatus.SUCCEEDED, time.time(), None)
+    samples, stats = s.samples()
+    assert [x.rollout_id for x in samples] == ["ok"] and stats.skipped_unrewarded == 1
+    with pytest.raises(ValueError, match="level 'episode'"):
+        s.samples(level="episode")

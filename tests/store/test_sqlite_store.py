@@ -1,0 +1,170 @@
+"""What only the SQLite store does: WAL, migrations, refusing foreign files, many processes, no drops."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import sqlite3
+import threading
+import time
+
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.records import RolloutStatus
+from lightning_rl.store import SQLiteStore, open_store
+from lightning_rl.store.migrations import APPLICATION_ID, latest_version
+from lightning_rl.tracer.sink import SpanRow
+
+from .helpers import rollout
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_wal_mode_and_recorded_migrations(sqlite_store):
+    conn = sqlite3.connect(sqlite_store.path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version()
+    rows = conn.execute("SELECT version, name FROM _lightning_rl_migrations").fetchall()
+    assert [r[0] for r in rows] == list(range(1, latest_version() + 1))
+
+
+def test_reopen_is_idempotent_and_keeps_data(tmp_path):
+    path = tmp_path / "runs.db"
+    with SQLiteStore(path) as s:
+        s.start_rollout(rollout("r1"))
+    with SQLiteStore(path) as s:
+        assert s.get_rollout("r1").rollout_id == "r1"
+
+
+def test_refuses_foreign_sqlite_file_without_touching_it(tmp_path):
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE users (id INTEGER)")
+    conn.commit()
+    conn.close()
+    before = _digest(path)
+    with pytest.raises(lrl.NotAStoreError, match="did not create.*users.*new file"):
+        SQLiteStore(path)
+    assert _digest(path) == before
+
+
+def test_refuses_non_sqlite_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello, this is not a database at all" * 10)
+    with pytest.raises(lrl.NotAStoreError, match="not a SQLite database"):
+        open_store(f"sqlite:///{path}")
+    assert path.read_text().startswith("hello")
+
+
+def test_refuses_newer_schema_and_keeps_data(tmp_path):
+    path = tmp_path / "runs.db"
+    with SQLiteStore(path) as s:
+        s.start_rollout(rollout("r1"))
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {latest_version() + 1}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(lrl.SchemaTooNewError, match="newer.*upgrade lightning-rl"):
+        SQLiteStore(path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT rollout_id FROM rollouts").fetchall() == [("r1",)]
+
+
+@pytest.mark.parametrize("url,message", [("sqlite://runs.db", "three slashes"), ("redis://x", "not supported"),
+                                         (":memory:", "memory://")])
+def test_bad_store_urls(url, message):
+    with pytest.raises(lrl.ConfigurationError, match=message):
+        open_store(url)
+
+
+def _row(rid: str, seq: int) -> SpanRow:
+    return SpanRow(rid, seq, 1, seq + 1, None, "s", "INTERNAL", 0, 1, "UNSET", None, {"i": seq}, ())
+
+
+def test_backpressure_blocks_instead_of_dropping(tmp_path):
+    s = SQLiteStore(tmp_path / "runs.db", queue_size=4)
+    s.start_rollout(rollout("r1"))
+    for seq in range(2000):
+        s.write_span(_row("r1", seq))
+    assert s.flush(30)
+    assert len(s.spans("r1")) == 2000
+    assert lrl.stats().get("writer_backpressure_waits", 0) > 0
+    s.close()
+
+
+def test_unwritable_store_spills_and_replays_without_duplicates(tmp_path):
+    path = tmp_path / "runs.db"
+    s = SQLiteStore(path, busy_timeout=0.05, give_up_after=0.3)
+    s.start_rollout(rollout("r1"))
+    assert s.flush(5)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
+    for seq in range(50):
+        s.write_span(_row("r1", seq))
+    assert s.flush(30)  # the batch was spilled, not dropped
+    spilled = list((tmp_path / "runs.db.spill").glob("*.jsonl"))
+    assert spilled
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    s.close()
+    with SQLiteStore(path) as again:  # replayed on open
+        assert [sp.seq for sp in again.spans("r1")] == list(range(50))
+        assert not list((tmp_path / "runs.db.spill").glob("*.jsonl"))
+
+
+def _writer_process(path: str, worker: int, n: int) -> None:
+    import lightning_rl as lrl_child
+
+    lrl_child.configure(store=f"sqlite:///{path}")
+
+    @lrl_child.trace
+    def agent(i):
+        lrl_child.emit_reward(0.5)
+        return float(i["i"])
+
+    for i in range(n):
+        agent({"worker": worker, "i": i})
+
+
+def test_several_processes_write_one_file(tmp_path):
+    path = str(tmp_path / "shared.db")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer_process, args=(path, w, 40)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with SQLiteStore(path) as s:
+        rollouts = s.rollouts()
+        assert len(rollouts) == 120 and all(r.status == RolloutStatus.SUCCEEDED for r in rollouts)
+        conn = sqlite3.connect(path)
+        assert conn.execute("SELECT count(*) FROM rewards").fetchone()[0] == 240
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_threads_tracing_concurrently_lose_nothing(tmp_path):
+    s = SQLiteStore(tmp_path / "runs.db", queue_size=16)
+    previous = lrl.tracer.tracing._sink
+    lrl.configure(store=s)
+    try:
+        @lrl.trace
+        def agent(i):
+            for _ in range(5):
+                lrl.emit_reward(1.0)
+            return 0.0
+
+        threads = [threading.Thread(target=lambda k=k: [agent(k * 100 + j) for j in range(25)]) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(s.rollouts()) == 100
+        assert sum(len(s.rewards(r.rollout_id)) for r in s.rollouts()) == 600
+    finally:
+        lrl.tracer.tracing.set_sink(previous)
+        s.close()

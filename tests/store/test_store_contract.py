@@ -1,0 +1,96 @@
+"""The contract every store meets (SQLiteStore and InMemoryStore alike)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.records import Reward, RewardSource, RolloutStatus
+
+from .helpers import llm_span, rollout
+
+
+def test_rollout_lifecycle_and_spans_in_sequence_order(store):
+    store.start_rollout(rollout("r1"))
+    store.add_spans([llm_span("r1", 1, 1, [1, 2], [3]), llm_span("r1", 0, 0, [1], [2])])
+    store.finish_rollout("r1", RolloutStatus.SUCCEEDED, time.time(), None)
+    store.flush()
+    r = store.get_rollout("r1")
+    assert r.status == "succeeded" and r.end_time is not None and r.task == {"q": "r1"}
+    assert [s.seq for s in store.spans("r1")] == [0, 1]
+
+
+def test_terminal_status_is_final(store):
+    store.start_rollout(rollout("r1"))
+    store.finish_rollout("r1", RolloutStatus.FAILED, time.time(), "boom")
+    store.finish_rollout("r1", RolloutStatus.SUCCEEDED, time.time(), None)  # not allowed: ignored, counted
+    store.flush()
+    assert store.get_rollout("r1").status == "failed"
+
+
+def test_spans_are_idempotent_by_rollout_and_seq(store):
+    store.start_rollout(rollout("r1"))
+    span = llm_span("r1", 0, 0, [1], [2])
+    store.add_spans([span])
+    store.add_spans([span])
+    assert len(store.spans("r1")) == 1
+
+
+def test_late_reward_after_rollout_end(store):
+    store.start_rollout(rollout("r1"))
+    store.add_spans([llm_span("r1", 0, 0, [1], [2])])
+    store.finish_rollout("r1", RolloutStatus.SUCCEEDED, time.time(), None)
+    store.flush()
+    assert next(store.trajectories()).final_reward is None
+    reward = store.add_reward("r1", 1.0, name="reward")
+    assert reward.source == RewardSource.FEEDBACK
+    t = store.trajectory("r1")
+    assert t.final_reward == 1.0 and t.llm_calls[0].reward == 1.0
+    store.add_reward("r1", -1.0, name="user_feedback")
+    assert store.trajectory("r1", reward_name="user_feedback").final_reward == -1.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, "1", None])
+def test_add_reward_rejects_bad_values_and_keeps_existing(store, bad):
+    store.start_rollout(rollout("r1"))
+    store.add_reward("r1", 0.5)
+    with pytest.raises(ValueError, match="finite real number"):
+        store.add_reward("r1", bad)
+    assert [r.value for r in store.rewards("r1")] == [0.5]
+
+
+def test_unknown_rollout_is_a_clear_key_error(store):
+    with pytest.raises(lrl.RolloutNotFoundError, match="no rollout 'nope'.*rollouts ls"):
+        store.add_reward("nope", 1.0)
+    with pytest.raises(KeyError):
+        store.get_rollout("nope")
+
+
+def test_filters_mode_since_policy_version_agent_status(store):
+    store.start_rollout(rollout("old", mode="train", policy_version=0, start_time=100.0))
+    store.start_rollout(rollout("new", mode="prod", policy_version=2, start_time=200.0))
+    store.start_rollout(rollout("eval", mode="eval", policy_version=2, start_time=300.0))
+    store.add_spans([llm_span("new", 0, 0, [1], [2], agent="writer")])
+    store.finish_rollout("eval", RolloutStatus.FAILED, 301.0, "x")
+    store.flush()
+    ids = lambda **kw: [t.rollout_id for t in store.trajectories(**kw)]  # noqa: E731
+    assert ids() == ["old", "new", "eval"]
+    assert ids(mode="prod") == ["new"]
+    assert ids(since=150.0) == ["new", "eval"]
+    assert ids(min_policy_version=1) == ["new", "eval"]
+    assert ids(agent="writer") == ["new"]
+    assert ids(status="failed") == ["eval"]
+    with pytest.raises(ValueError, match="mode 'nightly'"):
+        list(store.trajectories(mode="nightly"))
+    with pytest.raises(ValueError, match="status 'done'"):
+        store.rollouts(status="done")
+
+
+def test_reward_record_validation_on_construction():
+    with pytest.raises(ValueError, match="nan"):
+        Reward(rollout_id="r", value=math.nan)
+    with pytest.raises(ValueError, match="extra"):
+        Reward(rollout_id="r", value=1.0, colour="red")
