@@ -13,6 +13,7 @@ from .store import Store
 from .store import open_store as _open_store
 from .tracer import diagnostics
 from .tracer.provider import add_span_processors, tracing
+from .tracer.sink import SpanSink
 
 _UNSET: Any = object()
 
@@ -25,16 +26,16 @@ def open_store(url: str | os.PathLike[str] | None = None) -> Store:
 
 def configure(
     *,
-    store: str | os.PathLike[str] | Store | None = _UNSET,
+    store: str | os.PathLike[str] | Store | SpanSink | None = _UNSET,
     mode: str | None = None,
     policy_version: int | None = None,
     capture_token_ids: bool | None = None,
     capture_logprobs: bool | None = None,
     span_processors: Sequence[SpanProcessor] = (),
-) -> Store:
+) -> Store | SpanSink:
     """Set where rollouts go and how they are captured; returns the store in use.
 
-    ``store``: a URL/path or a Store object (default: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``).
+    ``store``: a URL/path, a Store, or any object implementing ``tracer.SpanSink`` (default: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``).
     ``span_processors``: the user's own OTel processors (e.g. an exporter) that also get our spans.
     """
     settings = tracing.settings
@@ -48,7 +49,7 @@ def configure(
         tracing.set_policy_version(policy_version)
     add_span_processors(span_processors)
     if store is not _UNSET and store is not None:
-        tracing.set_sink(store if isinstance(store, Store) else _open_store(store))
+        tracing.set_sink(store if isinstance(store, (Store, SpanSink)) else _open_store(store))
     return tracing.sink()
 
 

@@ -32,17 +32,23 @@ _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "n",
     "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
 )
+_NUMERIC_REQUEST_ATTRIBUTES = (
+    ("temperature", semconv.GEN_AI_REQUEST_TEMPERATURE), ("top_p", semconv.GEN_AI_REQUEST_TOP_P),
+    ("seed", semconv.GEN_AI_REQUEST_SEED), ("max_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
+    ("max_completion_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
+)
 _NO_INJECT_HOSTS = frozenset({"api.openai.com"})
 
 
-def _dumps(value: Any) -> str:
-    def default(obj: Any) -> Any:
-        dump = getattr(obj, "model_dump", None)
-        if callable(dump):
-            return dump(mode="json", exclude_none=True)
-        return repr(obj)
+def _json_default(obj: Any) -> Any:
+    dump = getattr(obj, "model_dump", None)  # pydantic / openai objects in user messages
+    if callable(dump):
+        return dump(mode="json", exclude_none=True)
+    return repr(obj)
 
-    return orjson.dumps(value, default=default).decode()
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value, default=_json_default).decode()
 
 
 def _endpoint(options: Any) -> str | None:
@@ -74,18 +80,23 @@ class LLMCall:
     """One in-flight LLM request inside a rollout, and its span."""
 
     def __init__(self, client: Any, options: Any, op: str, state: RolloutState) -> None:
-        body = dict(options.json_data or {}) if isinstance(options.json_data, dict) else {}
-        extra = dict(options.extra_json or {})
-        request = {**body, **extra}
-        host = getattr(getattr(client, "base_url", None), "host", None)
+        body = options.json_data if isinstance(options.json_data, dict) else {}
+        extra = dict(options.extra_json) if options.extra_json else {}
+        request = {**body, **extra} if extra else body
+        base_url = getattr(client, "base_url", None)
+        host = getattr(base_url, "host", None)
         if host not in _NO_INJECT_HOSTS:
             settings = tracing.settings
+            changed = False
             if settings.capture_token_ids and "return_token_ids" not in request:
-                extra["return_token_ids"] = True
+                extra["return_token_ids"] = changed = True
             if settings.capture_logprobs and request.get("logprobs") is None:
                 extra["logprobs"] = True if op == semconv.OP_CHAT else 0
-            if extra != (options.extra_json or {}):
-                options = options.model_copy(update={"extra_json": extra})
+                changed = True
+            if changed:
+                # The client builds these options for this one call (and copies them again before any
+                # retry), so setting the field in place is safe and avoids a pydantic copy per call.
+                options.extra_json = extra
         self.options = options
         self.state = state
         self.op = op
@@ -107,25 +118,22 @@ class LLMCall:
             semconv.LLM_CALL_INDEX: self.index,
             semconv.POLICY_VERSION: tracing.policy_version(self.model),
             semconv.GEN_AI_INPUT_MESSAGES: _dumps(messages),
-            semconv.SAMPLING_PARAMS: _dumps({k: request[k] for k in _SAMPLING_KEYS if request.get(k) is not None}),
         }
         if self.model is not None:
             attributes[semconv.GEN_AI_REQUEST_MODEL] = str(self.model)
         if self.agent is not None:
             attributes[semconv.GEN_AI_AGENT_NAME] = self.agent
-        for key, attr in (("temperature", semconv.GEN_AI_REQUEST_TEMPERATURE), ("top_p", semconv.GEN_AI_REQUEST_TOP_P),
-                          ("seed", semconv.GEN_AI_REQUEST_SEED)):
-            value = request.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+        sampling = {k: v for k in _SAMPLING_KEYS if (v := request.get(k)) is not None}
+        attributes[semconv.SAMPLING_PARAMS] = _dumps(sampling)
+        for key, attr in _NUMERIC_REQUEST_ATTRIBUTES:
+            value = sampling.get(key)
+            if value is not None and type(value) in (int, float):
                 attributes[attr] = value
-        max_tokens = request.get("max_tokens") or request.get("max_completion_tokens")
-        if isinstance(max_tokens, int):
-            attributes[semconv.GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
         if request.get("tools"):
             attributes[semconv.GEN_AI_TOOL_DEFINITIONS] = _dumps(request["tools"])
         if host:
             attributes[semconv.SERVER_ADDRESS] = host
-            port = getattr(client.base_url, "port", None)
+            port = getattr(base_url, "port", None)
             if port:
                 attributes[semconv.SERVER_PORT] = port
         self.span = tracing.tracer.start_span(f"{op} {self.model}", kind=SpanKind.CLIENT, attributes=attributes)

@@ -28,8 +28,11 @@ class BackgroundWriter:
         name: str = "lightning-rl-writer",
         spill: Callable[[list[tuple[str, Any]]], None] | None = None,
         give_up_after: float = 30.0,
+        linger: float = 0.002,
     ) -> None:
         self._apply = apply
+        self._linger = linger
+        self._linger_below = max(1, maxsize // 4)
         self._spill = spill
         self._maxsize = maxsize
         self._give_up_after = give_up_after
@@ -90,6 +93,10 @@ class BackgroundWriter:
                 batch, self._buf = self._buf, []
                 self._not_full.notify_all()
             self._apply_with_retry(batch)
+            if len(batch) < self._linger_below and not self._closed:
+                # Small batches: wait a moment so that the next one is bigger and producers rarely
+                # have to wake this thread (a flush marker still goes through within a few ms).
+                time.sleep(self._linger)
 
     def _apply_with_retry(self, batch: list[tuple[str, Any]]) -> None:
         events = [payload for kind, payload in batch if kind == FLUSH]

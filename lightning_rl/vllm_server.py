@@ -1,0 +1,120 @@
+"""Start and stop a local vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``).
+
+vLLM lives in its own environment (its transformers range conflicts with verl's), so the server is
+a subprocess of a given interpreter: ``LIGHTNING_RL_VLLM_PYTHON`` or ``.venv-vllm/bin/python``.
+Used by the demo, the tests and (later) the local trainer; LoRA hot-loading is enabled on request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigurationError
+
+ENV_VLLM_PYTHON = "LIGHTNING_RL_VLLM_PYTHON"
+
+
+def default_python() -> Path:
+    env = os.environ.get(ENV_VLLM_PYTHON)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """A running vLLM OpenAI server. ``base_url`` ends in ``/v1``. Use as a context manager."""
+
+    model: str
+    served_name: str = "tiny"
+    port: int = field(default_factory=free_port)
+    python: Path = field(default_factory=default_python)
+    max_model_len: int = 2048
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    extra_args: tuple[str, ...] = ()
+    log_path: Path | None = None
+    ready_timeout: float = 300.0
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--served-model-name", self.served_name, "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len), "--enforce-eager", "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        ]
+        if self.enable_lora:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+        return cmd + list(self.extra_args)
+
+    def start(self) -> "VLLMServer":
+        if not self.python.exists():
+            raise ConfigurationError(
+                f"no vLLM interpreter at {self.python}; run `make venv-vllm` or set {ENV_VLLM_PYTHON}"
+            )
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        if self.enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env.pop("LIGHTNING_RL_STORE", None)
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+        return self
+
+    def _tail(self) -> str:
+        if self.log_path and Path(self.log_path).exists():
+            return Path(self.log_path).read_text(errors="replace")[-4000:]
+        return "(no log; pass log_path to see the server's output)"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.process.returncode}:\n{self._tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM server not ready after {self.ready_timeout}s:\n{self._tail()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

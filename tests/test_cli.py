@@ -1,0 +1,92 @@
+"""The lightning-rl command, run in-process on a real SQLite store."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import lightning_rl as lrl
+from lightning_rl.cli import main
+from lightning_rl.records import Reward, RewardSource, RolloutStatus
+from lightning_rl.store import SQLiteStore
+
+from .store.helpers import llm_span, rollout
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = tmp_path / "runs.db"
+    with SQLiteStore(path) as s:
+        s.start_rollout(rollout("r-ok"))
+        s.add_spans([llm_span("r-ok", 0, 0, [1, 2], [3, 4], agent="writer"),
+                     llm_span("r-ok", 1, 1, [1, 2, 3, 4, 5], [6], agent="writer")])
+        s.write_reward(Reward(rollout_id="r-ok", value=1.0, source=RewardSource.RETURNED))
+        s.finish_rollout("r-ok", RolloutStatus.SUCCEEDED, time.time(), None)
+        s.start_rollout(rollout("r-bad"))
+        s.finish_rollout("r-bad", RolloutStatus.FAILED, time.time(), "ValueError: boom")
+    return str(path)
+
+
+def run(*args):
+    result = CliRunner().invoke(main, list(args))
+    return result
+
+
+def test_rollouts_ls_table_and_json(db):
+    out = run("rollouts", "ls", "--store", db)
+    assert out.exit_code == 0 and "r-ok" in out.output and "failed" in out.output
+    rows = [json.loads(line) for line in run("rollouts", "ls", "--store", db, "--json").output.splitlines()]
+    assert {r["rollout_id"]: r["status"] for r in rows} == {"r-ok": "succeeded", "r-bad": "failed"}
+    failed = run("rollouts", "ls", "--store", db, "--status", "failed", "--json").output.splitlines()
+    assert len(failed) == 1
+
+
+def test_rollouts_show_conversation_tokens_rewards(db):
+    out = run("rollouts", "show", "r-ok", "--store", db)
+    assert out.exit_code == 0
+    assert "[0] writer  chat tiny  2+2 tokens (engine)  reward=1.0" in out.output
+    assert "user: turn 0" in out.output and "assistant: answer 1" in out.output
+    assert "reward reward=1.0 (returned, rollout)" in out.output
+    data = json.loads(run("rollouts", "show", "r-ok", "--store", db, "--json").output)
+    assert data["final_reward"] == 1.0 and len(data["llm_calls"]) == 2
+
+
+def test_export_jsonl_samples(db, tmp_path):
+    out_file = tmp_path / "samples.jsonl"
+    result = run("export", "--store", db, "--format", "jsonl", "--level", "trajectory", "-o", str(out_file))
+    assert result.exit_code == 0
+    samples = [lrl.Sample.model_validate_json(line) for line in out_file.read_text().splitlines()]
+    assert len(samples) == 1  # the failed rollout is not exported
+    assert samples[0].response_ids == [3, 4, 5, 6] and samples[0].response_mask == [1, 1, 0, 1]
+    assert "exported 1 samples" in result.output  # summary on stderr (mixed in by CliRunner)
+
+
+def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
+    for args in (["rollouts", "show", "nope", "--store", db],
+                 ["export", "--store", db, "--credit", "bogus"],
+                 ["rollouts", "ls", "--store", "redis://x"]):
+        result = run(*args)
+        assert result.exit_code == 1, args
+        assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
+        assert "Traceback" not in result.output
+
+
+def _commands(group, prefix=()):
+    import click
+
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*prefix, name))
+        else:
+            yield (*prefix, name), cmd
+
+
+def test_every_command_has_help_with_an_example_and_is_documented():
+    readme = (__import__("pathlib").Path(__file__).parent.parent / "README.md").read_text()
+    for path, cmd in _commands(main):
+        result = run(*path, "--help")
+        assert result.exit_code == 0 and "Example:" in result.output, path
+        assert f"lightning-rl {' '.join(path)}" in readme, f"`lightning-rl {' '.join(path)}` is not in README.md"
