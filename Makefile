@@ -45,6 +45,7 @@ demo: all
 
 bench: venv
 	$(PY) bench/bench_span_cost.py
+	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
 	$(PY) bench/bench_store_ingest.py
 	$(PY) bench/bench_memory.py
 
