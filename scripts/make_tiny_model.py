@@ -115,7 +115,7 @@ def make_tiny_model(out: str | Path, *, seed: int = 0, layers: int = 2, hidden: 
         pad_token_id=pad,
         use_sliding_window=False,
     )
-    config.torch_dtype = "float32"
+    config.dtype = "float32"
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)

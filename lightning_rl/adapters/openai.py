@@ -104,6 +104,7 @@ class LLMCall:
         self.agent = current_agent_name()
         self.model = request.get("model")
         self.done = False
+        self.streamed = False
         self.choices: dict[int, _Choice] = {}
         self.prompt_ids: list[int] | None = None
         self.response_meta: dict[str, Any] = {}
@@ -291,8 +292,6 @@ class LLMCall:
                 self._extra_choice_span(common, self.choices[i], i)
         except Exception as exc:
             report_failure("recording an LLM call", exc)
-
-    streamed = False
 
     def _extra_choice_span(self, common: dict[str, Any], choice: _Choice, i: int) -> None:
         index = self.state.next_llm_call()
