@@ -15,7 +15,7 @@ all: venv venv-vllm model
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen]'
 	touch $@
 venv: $(VENV)/.stamp
 
@@ -31,7 +31,7 @@ $(VLLM_VENV)/.stamp: constraints-vllm.txt
 venv-vllm: $(VLLM_VENV)/.stamp
 
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py $(VENV)/.stamp
-	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR)
+	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) --layers 4 --warm-start-steps 600
 model: $(MODEL_DIR)/config.json
 
 test: all

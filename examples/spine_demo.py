@@ -85,7 +85,7 @@ def main() -> None:
         Path(str(db) + suffix).unlink(missing_ok=True)
 
     if not (Path(args.model_dir) / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", args.model_dir], check=True)
+        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
 
     server = None
     if args.base_url is None:

@@ -44,6 +44,10 @@ STREAMED = "lightning_rl.streamed"
 SAMPLING_PARAMS = "lightning_rl.sampling_params"
 CHOICE_INDEX = "lightning_rl.choice.index"
 INCOMPLETE = "lightning_rl.incomplete"
+FRAMEWORK_RUN_ID = "lightning_rl.framework.run_id"  # e.g. LangChain's run id of this LLM call
+TOOL_ARGUMENTS = "gen_ai.tool.call.arguments"
+TOOL_RESULT = "gen_ai.tool.call.result"
+LANGGRAPH_NODE = "lightning_rl.langgraph.node"
 
 # Values of TOKEN_IDS_SOURCE.
 SOURCE_ENGINE = "engine"

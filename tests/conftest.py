@@ -56,7 +56,7 @@ def traced(tmp_path):
 
 def ensure_tiny_model() -> Path:
     if not (MODEL_DIR / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", str(MODEL_DIR)], check=True)
+        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
     return MODEL_DIR
 
 

@@ -24,9 +24,9 @@ import orjson
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import semconv
-from ..tracer.context import RolloutState, _rollout, current_agent_name
+from ..tracer.context import RolloutState, _llm_hint, _rollout, current_agent_name
 from ..tracer.diagnostics import count, report_failure
-from ..tracer.provider import tracing
+from ..tracer.provider import parent_context, tracing
 
 _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "n",
@@ -101,7 +101,8 @@ class LLMCall:
         self.state = state
         self.op = op
         self.index = state.next_llm_call()
-        self.agent = current_agent_name()
+        hint = _llm_hint.get()
+        self.agent = (hint.agent if hint is not None else None) or current_agent_name()
         self.model = request.get("model")
         self.done = False
         self.streamed = False
@@ -137,11 +138,30 @@ class LLMCall:
             port = getattr(base_url, "port", None)
             if port:
                 attributes[semconv.SERVER_PORT] = port
-        self.span = tracing.tracer.start_span(f"{op} {self.model}", kind=SpanKind.CLIENT, attributes=attributes)
+        if hint is not None:
+            hint.recorded += 1
+            if hint.framework_run_id is not None:
+                attributes[semconv.FRAMEWORK_RUN_ID] = hint.framework_run_id
+        self.span = tracing.tracer.start_span(
+            f"{op} {self.model}", kind=SpanKind.CLIENT, attributes=attributes,
+            context=parent_context(hint.parent if hint is not None else None),
+        )
         state.open_calls[self.index] = self
 
     # -- full responses ----------------------------------------------------------------------------
     def record_response(self, resp: Any) -> None:
+        self.read_response(resp)
+        self.finish()
+
+    def fail(self, error: BaseException) -> None:
+        """The request raised. Errors that carry the completion (openai's LengthFinishReasonError
+        when parsing a truncated structured output) still have the engine's tokens: keep them."""
+        completion = getattr(error, "completion", None)
+        if completion is not None and hasattr(completion, "choices"):
+            self.read_response(completion)
+        self.finish(error=error)
+
+    def read_response(self, resp: Any) -> None:
         try:
             extra_top = getattr(resp, "model_extra", None) or {}
             self.prompt_ids = extra_top.get("prompt_token_ids")
@@ -176,7 +196,6 @@ class LLMCall:
                 self.response_meta["usage"] = usage
         except Exception as exc:
             report_failure("reading an LLM response", exc)
-        self.finish()
 
     def _meta_from(self, obj: Any) -> None:
         if "id" not in self.response_meta and getattr(obj, "id", None):
@@ -280,10 +299,11 @@ class LLMCall:
             indices = sorted(self.choices) or [0]
             first = self.choices.get(indices[0], _Choice())
             span = self.span
-            if error is None:
+            if error is None or self.choices:
                 span.set_attributes({**common, **self._choice_attributes(first)})
             else:
                 span.set_attributes({**common, semconv.TOKEN_IDS_SOURCE: semconv.SOURCE_MISSING})
+            if error is not None:
                 span.record_exception(error)
                 span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
             span.end()
@@ -366,7 +386,11 @@ def _attach(result: Any, call: LLMCall) -> Any:
 
                 @functools.wraps(parse)
                 async def parse_async(*args: Any, **kwargs: Any) -> Any:
-                    parsed = await parse(*args, **kwargs)
+                    try:
+                        parsed = await parse(*args, **kwargs)
+                    except BaseException as exc:
+                        call.fail(exc)
+                        raise
                     return _attach_parsed(parsed, call)
 
                 result.parse = parse_async
@@ -374,7 +398,12 @@ def _attach(result: Any, call: LLMCall) -> Any:
 
                 @functools.wraps(parse)
                 def parse_sync(*args: Any, **kwargs: Any) -> Any:
-                    return _attach_parsed(parse(*args, **kwargs), call)
+                    try:
+                        parsed = parse(*args, **kwargs)
+                    except BaseException as exc:
+                        call.fail(exc)
+                        raise
+                    return _attach_parsed(parsed, call)
 
                 result.parse = parse_sync
             return result
@@ -416,7 +445,7 @@ def _wrap_sync(original: Any) -> Any:
         try:
             result = original(self, cast_to, call.options, *args, **kwargs)
         except BaseException as exc:
-            call.finish(error=exc)
+            call.fail(exc)
             raise
         return _attach(result, call)
 
@@ -433,7 +462,7 @@ def _wrap_async(original: Any) -> Any:
         try:
             result = await original(self, cast_to, call.options, *args, **kwargs)
         except BaseException as exc:
-            call.finish(error=exc)
+            call.fail(exc)
             raise
         return _attach(result, call)
 

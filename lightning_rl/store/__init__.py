@@ -2,7 +2,7 @@
 
 from .assembly import assemble, llm_call_from_span
 from .base import Store
-from .credit import CREDIT_ASSIGNERS, get_credit_assigner, register_credit, split_rewards
+from .credit import CREDIT_ASSIGNERS, assign_credit, get_credit_assigner, register_credit, split_rewards
 from .memory_store import InMemoryStore
 from .samples import SampleStats, trajectory_samples
 from .sqlite_store import SQLiteStore
@@ -15,6 +15,7 @@ __all__ = [
     "SampleStats",
     "Store",
     "assemble",
+    "assign_credit",
     "get_credit_assigner",
     "llm_call_from_span",
     "open_store",

@@ -9,7 +9,7 @@ import orjson
 
 from .. import semconv
 from ..records import LLMCall, Reward, Rollout, Span, TokenIdsSource, ToolCall, Trajectory
-from .credit import get_credit_assigner, split_rewards
+from .credit import assign_credit
 
 
 def _json(value: Any, default: Any) -> Any:
@@ -71,7 +71,6 @@ def assemble(
     reward_name: str = "reward",
     **credit_kwargs: Any,
 ) -> Trajectory:
-    assigner = get_credit_assigner(credit)
     calls: list[LLMCall] = []
     tools: list[Span] = []
     for span in sorted(spans, key=lambda s: s.seq):  # per-rollout sequence, never the clock
@@ -81,8 +80,10 @@ def assemble(
         elif op == semconv.OP_EXECUTE_TOOL:
             tools.append(span)
     calls.sort(key=lambda c: c.index)
-    final, steps = split_rewards(rewards, len(calls), reward_name)
-    for call, value in zip(calls, assigner(len(calls), final, steps, **credit_kwargs)):
+    final, credited = assign_credit(
+        [c.agent_name for c in calls], rewards, credit=credit, reward_name=reward_name, **credit_kwargs
+    )
+    for call, value in zip(calls, credited):
         call.reward = value
     agents: list[str] = []
     for name in [rollout.agent, *(c.agent_name for c in calls)]:

@@ -11,6 +11,13 @@ Which rewards are "final" and which are "step" rewards (``split_rewards``), for 
 * step: every other emitted reward, summed per LLM call (see ``tracer.rewards`` for which call an
   emitted reward belongs to; one emitted before any call finished goes to call 0).
 
+Several agents (``assign_credit``): a reward without ``agent`` is the team's. An agent's own final
+reward is found by the same rule among the rewards given with ``agent=`` that name (so
+``emit_reward(v, agent="critic")`` at the end of a rollout is the critic's reward); it replaces the
+team reward for that agent's calls. Every other agent's calls get the team reward. Credit is
+assigned along each agent's own sequence of calls (``discounted`` counts back from that agent's
+last call).
+
 Built in: ``final`` (the final reward to every call), ``discounted`` (gamma^(n-1-i) * final),
 ``per_step`` (step_i + final for every call), ``return_to_go`` (discounted sum of this and later
 step rewards plus the discounted final). Register your own with ``@register_credit("name")``.
@@ -19,6 +26,7 @@ step rewards plus the discounted final). Register your own with ``@register_cred
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import ConfigurationError, UnknownNameError
 from ..records import Reward, RewardSource
@@ -87,21 +95,60 @@ def return_to_go_credit(
     return out
 
 
-def split_rewards(rewards: Sequence[Reward], n_calls: int, name: str = "reward") -> tuple[float | None, list[float]]:
-    """(final reward, per-call step rewards) for the rewards called ``name``; rules in the module doc."""
-    mine = [r for r in rewards if r.name == name]
-    final: Reward | None = None
-    for r in mine:
+def _final_of(rewards: Sequence[Reward]) -> Reward | None:
+    final = None
+    for r in rewards:
         if r.llm_call_index is None and r.source != RewardSource.EMITTED:
             final = r
-    emitted = [r for r in mine if r.source == RewardSource.EMITTED]
-    if final is None and emitted:
-        final = emitted[-1]
+    if final is None:
+        emitted = [r for r in rewards if r.source == RewardSource.EMITTED]
+        final = emitted[-1] if emitted else None
+    return final
+
+
+def split_rewards(rewards: Sequence[Reward], n_calls: int, name: str = "reward") -> tuple[float | None, list[float]]:
+    """(team final reward, per-call step rewards) for the rewards called ``name``; rules in the module doc."""
+    team, _, steps = _split(rewards, n_calls, name)
+    return (team.value if team is not None else None), steps
+
+
+def _split(rewards: Sequence[Reward], n_calls: int, name: str) -> tuple[Reward | None, dict[str, Reward], list[float]]:
+    mine = [r for r in rewards if r.name == name]
+    team = _final_of([r for r in mine if r.agent is None])
+    per_agent: dict[str, Reward] = {}
+    for agent in dict.fromkeys(r.agent for r in mine if r.agent is not None):
+        final = _final_of([r for r in mine if r.agent == agent])
+        if final is not None:
+            per_agent[agent] = final
+    finals = {id(r) for r in (team, *per_agent.values()) if r is not None}
     steps = [0.0] * n_calls
-    for r in emitted:
-        if r is final:
+    for r in mine:
+        if r.source != RewardSource.EMITTED or id(r) in finals:
             continue
         index = r.llm_call_index or 0
-        if n_calls and 0 <= index < n_calls:
+        if 0 <= index < n_calls:
             steps[index] += r.value
-    return (final.value if final is not None else None), steps
+    return team, per_agent, steps
+
+
+def assign_credit(
+    call_agents: Sequence[str | None], rewards: Sequence[Reward], *, credit: str = "final",
+    reward_name: str = "reward", **kwargs: Any,
+) -> tuple[float | None, list[float | None]]:
+    """(team final reward, one credited reward per LLM call), calls given by their agent names in order.
+
+    Each agent's calls are credited along that agent's own sequence of calls, with the agent's own
+    final reward when it has one (``emit_reward(v, agent=...)`` or ``add_reward(..., agent=...)``),
+    else the team's.
+    """
+    assigner = get_credit_assigner(credit)
+    n = len(call_agents)
+    team, per_agent, steps = _split(rewards, n, reward_name)
+    out: list[float | None] = [None] * n
+    for agent in dict.fromkeys(call_agents):
+        indices = [i for i, a in enumerate(call_agents) if a == agent]
+        final = per_agent.get(agent, team) if agent is not None else team
+        values = assigner(len(indices), final.value if final is not None else None, [steps[i] for i in indices], **kwargs)
+        for i, value in zip(indices, values):
+            out[i] = value
+    return (team.value if team is not None else None), out

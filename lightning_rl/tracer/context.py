@@ -42,8 +42,22 @@ class RolloutState:
                     self.last_llm_call_by_agent[agent] = index
 
 
+@dataclass(slots=True, eq=False)
+class LLMHint:
+    """Set by a framework adapter just before its model makes an LLM call (e.g. LangChain's
+    ``on_chat_model_start``): which agent is calling and under which span, so the OpenAI adapter's
+    span for that call carries both the framework's view and the engine's token ids."""
+
+    agent: str | None
+    parent: Any = None  # an OpenTelemetry span of ours, or None
+    framework_run_id: str | None = None
+    recorded: int = 0  # LLM calls the OpenAI adapter recorded under this hint
+
+
 _rollout: ContextVar[RolloutState | None] = ContextVar("lightning_rl_rollout", default=None)
 _agent: ContextVar[str | None] = ContextVar("lightning_rl_agent", default=None)
+_our_span: ContextVar[Any] = ContextVar("lightning_rl_span", default=None)  # our innermost span
+_llm_hint: ContextVar[LLMHint | None] = ContextVar("lightning_rl_llm_hint", default=None)
 
 
 def current_rollout() -> RolloutState | None:
@@ -59,6 +73,15 @@ def require_rollout(what: str) -> RolloutState:
             "@lightning_rl.trace (or use store.add_reward(rollout_id, ...) after the rollout ended)"
         )
     return state
+
+
+def set_llm_hint(hint: LLMHint | None) -> None:
+    """Adapters set the hint for the LLM call about to be made in this context (None clears it)."""
+    _llm_hint.set(hint)
+
+
+def current_llm_hint() -> LLMHint | None:
+    return _llm_hint.get()
 
 
 def current_agent_name() -> str | None:

@@ -38,9 +38,9 @@ from .. import semconv
 from ..errors import InvalidRewardError, TaskNotSerializableError, check_reward, shown
 from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
 from ..settings import check_mode
-from .context import RolloutState, _agent, _rollout
+from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
 from .diagnostics import report_failure
-from .provider import agent_span, tracing
+from .provider import agent_span, parent_context, tracing
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
 _OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task"})
@@ -136,6 +136,11 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
         policy_version=tracing.policy_version(),
     )
     sink = tracing.sink()  # a store that cannot open is a set-up error: it surfaces here
+    for hook in tracing.rollout_start_hooks:
+        try:
+            hook()
+        except Exception as exc:
+            report_failure("rollout start hook", exc)
     try:
         sink.start_rollout(rollout)
     except Exception as exc:
@@ -143,11 +148,14 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
     state = RolloutState(rollout.rollout_id, opts.name, agent, mode, rollout.policy_version)
     rollout_token = _rollout.set(state)
     agent_token = _agent.set(None)
+    hint_token = _llm_hint.set(None)
     span = None
     ctx_token = None
+    span_token = None
     try:
         span = tracing.tracer.start_span(
             f"invoke_agent {agent}",
+            context=parent_context(),
             attributes={
                 semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT,
                 semconv.GEN_AI_AGENT_NAME: agent,
@@ -156,9 +164,10 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
             },
         )
         ctx_token = otel_context.attach(otel_trace.set_span_in_context(span))
+        span_token = _our_span.set(span)
     except Exception as exc:
         report_failure("rollout span", exc)
-    return _Active(state, rollout, span, (rollout_token, agent_token, ctx_token), sink)
+    return _Active(state, rollout, span, (rollout_token, agent_token, ctx_token, hint_token, span_token), sink)
 
 
 def _is_reward(value: Any) -> bool:
@@ -187,7 +196,7 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
             call.finish(incomplete=True)
     except Exception as failure:
         report_failure("closing open LLM calls", failure)
-    rollout_token, agent_token, ctx_token = active.tokens
+    rollout_token, agent_token, ctx_token, hint_token, span_token = active.tokens
     if span is not None:
         try:
             if exc is not None:
@@ -198,8 +207,11 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
             span.end()
         except Exception as failure:
             report_failure("rollout span end", failure)
+    if span_token is not None:
+        _our_span.reset(span_token)
     if ctx_token is not None:
         otel_context.detach(ctx_token)
+    _llm_hint.reset(hint_token)
     _agent.reset(agent_token)
     _rollout.reset(rollout_token)
     try:

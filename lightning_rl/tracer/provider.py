@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
@@ -18,7 +19,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from .. import semconv
 from ..errors import ConfigurationError
 from ..settings import Settings
-from .context import _rollout
+from .context import _our_span, _rollout
 from .diagnostics import count, report_failure
 from .sink import SpanRow, SpanSink
 
@@ -89,6 +90,7 @@ class Tracing:
         self._sink: SpanSink | None = None
         self._sink_factory: Callable[[str], SpanSink] | None = None
         self._policy_versions: dict[str | None, int] = {None: self.settings.policy_version}
+        self.rollout_start_hooks: list[Callable[[], None]] = []  # e.g. instrument newly imported frameworks
         limits = SpanLimits(
             max_span_attributes=512,
             max_events=1024,
@@ -150,6 +152,29 @@ class Tracing:
 tracing = Tracing()
 
 
+def parent_context(parent: Any = None) -> Any:
+    """The OTel context to start one of our spans in: ``parent`` if given; else the current context,
+    unless its span is invalid (a framework's no-op span when no global provider is set), in which
+    case our innermost span, so that no span of a rollout ever starts a new trace."""
+    if parent is not None:
+        return otel_trace.set_span_in_context(parent)
+    if otel_trace.get_current_span().get_span_context().is_valid:
+        return None
+    ours = _our_span.get()
+    return otel_trace.set_span_in_context(ours) if ours is not None else None
+
+
+@contextlib.contextmanager
+def current_span_of_ours(span: Any) -> Iterator[None]:
+    """Make ``span`` (one of ours) the current OTel span and our innermost span for the block."""
+    token = _our_span.set(span)
+    try:
+        with otel_trace.use_span(span, end_on_exit=False):
+            yield
+    finally:
+        _our_span.reset(token)
+
+
 @contextlib.contextmanager
 def agent_span(name: str) -> Iterator[None]:
     """An ``invoke_agent {name}`` span made current for the block, when a rollout is active."""
@@ -159,6 +184,7 @@ def agent_span(name: str) -> Iterator[None]:
     try:
         span = tracing.tracer.start_span(
             f"invoke_agent {name}",
+            context=parent_context(),
             attributes={
                 semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT,
                 semconv.GEN_AI_AGENT_NAME: name,
@@ -168,8 +194,12 @@ def agent_span(name: str) -> Iterator[None]:
         report_failure("agent span", exc)
         yield
         return
-    with otel_trace.use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
-        yield
+    token = _our_span.set(span)
+    try:
+        with otel_trace.use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
+            yield
+    finally:
+        _our_span.reset(token)
 
 
 def add_span_processors(processors: Sequence[SpanProcessor]) -> None:

@@ -152,3 +152,39 @@ def test_store_samples_skip_failed_and_unrewarded_rollouts():
     assert [x.rollout_id for x in samples] == ["ok"] and stats.skipped_unrewarded == 1
     with pytest.raises(ValueError, match="level 'episode'"):
         s.samples(level="episode")
+
+
+def _team_store(rewards):
+    calls = [llm_span("r1", 0, 0, [1], [2], agent="writer"), llm_span("r1", 1, 1, [1, 2, 3], [4], agent="critic"),
+             llm_span("r1", 2, 2, [1, 2, 3, 4, 5], [6], agent="writer")]
+    return _store_with(calls, rewards)
+
+
+def test_shared_team_reward_goes_to_every_selected_agents_calls():
+    s = _team_store([R(1.0, source=RewardSource.RETURNED)])
+    t = s.trajectory("r1")
+    assert [c.reward for c in t.llm_calls] == [1.0, 1.0, 1.0]
+    writer, _ = trajectory_samples(t, agents=["writer"])
+    assert [(x.agent_name, x.reward, x.llm_call_indices) for x in writer] == [("writer", 1.0, [0]), ("writer", 1.0, [2])]
+    everyone, _ = trajectory_samples(t)
+    assert {x.agent_name for x in everyone} == {"writer", "critic"}
+
+
+def test_per_agent_reward_replaces_team_reward_for_that_agent_only():
+    s = _team_store([R(1.0, source=RewardSource.RETURNED),
+                     Reward(rollout_id="r1", value=-0.5, agent="critic", llm_call_index=1, source="emitted")])
+    t = s.trajectory("r1")
+    assert [c.reward for c in t.llm_calls] == [1.0, -0.5, 1.0]
+    assert t.final_reward == 1.0
+
+
+def test_agent_feedback_after_the_rollout():
+    s = _team_store([R(0.0, source=RewardSource.RETURNED)])
+    s.add_reward("r1", 0.8, agent="writer")
+    assert [c.reward for c in s.trajectory("r1").llm_calls] == [0.8, 0.0, 0.8]
+
+
+def test_discounting_runs_along_each_agents_own_calls():
+    s = _team_store([R(1.0, source=RewardSource.RETURNED)])
+    t = s.trajectory("r1", credit="discounted", gamma=0.5)
+    assert [c.reward for c in t.llm_calls] == [0.5, 1.0, 1.0]  # writer: 2 calls; critic: its last call

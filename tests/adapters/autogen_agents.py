@@ -1,0 +1,81 @@
+"""Real AutoGen agents and teams for the tests (also run as a script in a subprocess)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from autogen_agentchat.agents import AssistantAgent
+from autogen_agentchat.conditions import MaxMessageTermination
+from autogen_agentchat.teams import RoundRobinGroupChat, SelectorGroupChat
+from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+MODEL_INFO = {"vision": False, "function_calling": True, "json_output": True, "family": "unknown",
+              "structured_output": True}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    try:
+        return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 (tests only)
+    except Exception as exc:
+        return f"error: {exc}"
+
+
+class ToolFirstClient(OpenAIChatCompletionClient):
+    """AssistantAgent always asks for tool_choice="auto"; this client asks for "required" whenever
+    tools are offered, so that a tiny model's tool path is exercised deterministically."""
+
+    async def create(self, messages, *, tools=(), tool_choice="auto", **kwargs):
+        return await super().create(messages, tools=tools, tool_choice="required" if tools else tool_choice, **kwargs)
+
+    def create_stream(self, messages, *, tools=(), tool_choice="auto", **kwargs):
+        return super().create_stream(messages, tools=tools, tool_choice="required" if tools else tool_choice, **kwargs)
+
+
+def client(base_url: str, *, tool_first: bool = False) -> OpenAIChatCompletionClient:
+    cls = ToolFirstClient if tool_first else OpenAIChatCompletionClient
+    return cls(model="tiny", base_url=base_url, api_key="EMPTY", model_info=MODEL_INFO, max_tokens=120, temperature=0.0)
+
+
+def solver(base_url: str, *, stream: bool = False) -> AssistantAgent:
+    return AssistantAgent("solver", model_client=client(base_url, tool_first=True), tools=[calculator],
+                          system_message="Be exact.", model_client_stream=stream)
+
+
+def checker(base_url: str) -> AssistantAgent:
+    return AssistantAgent("checker", model_client=client(base_url), system_message="Answer with the number.")
+
+
+def round_robin(base_url: str, *, stream: bool = False) -> RoundRobinGroupChat:
+    return RoundRobinGroupChat([solver(base_url, stream=stream), checker(base_url)],
+                               termination_condition=MaxMessageTermination(4))
+
+
+def selector(base_url: str) -> SelectorGroupChat:
+    return SelectorGroupChat([solver(base_url), checker(base_url)], model_client=client(base_url),
+                             termination_condition=MaxMessageTermination(3), max_selector_attempts=1)
+
+
+if __name__ == "__main__":  # python autogen_agents.py BASE_URL DB: one team rollout with a global provider
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import lightning_rl as lrl
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    lrl.configure(store=f"sqlite:///{sys.argv[2]}")
+
+    @lrl.trace
+    async def team_run(question):
+        await round_robin(sys.argv[1]).run(task=question)
+        return 1.0
+
+    asyncio.run(team_run("What is 12+30?"))
+    print(json.dumps(sorted({s.name for s in exporter.get_finished_spans()})))
