@@ -33,7 +33,7 @@ from .records import (
     Trajectory,
 )
 from .store import InMemoryStore, SQLiteStore, Store, register_credit
-from .tracer import agent_scope, current_rollout_id, emit_reward, rollout_overrides, trace
+from .tracer import agent_scope, current_rollout_id, emit_reward, rollout_overrides, tool_span, trace
 
 __version__ = "0.1.0"
 
@@ -75,5 +75,6 @@ __all__ = [
     "rollout_overrides",
     "set_policy_version",
     "stats",
+    "tool_span",
     "trace",
 ]

@@ -7,11 +7,13 @@ Used by the demo, the tests and (later) the local trainer; LoRA hot-loading is e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,3 +120,25 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+ENV_BASE_URL = "LIGHTNING_RL_BASE_URL"  # an OpenAI-compatible endpoint (".../v1") to use instead
+ENV_MODEL = "LIGHTNING_RL_MODEL"  # the model name to request from it
+ENV_API_KEY = "LIGHTNING_RL_API_KEY"
+
+
+@contextlib.contextmanager
+def serve_or_connect(model_dir: str | None = None, *, log_path: Path | None = None) -> Iterator[tuple[str, str, str]]:
+    """``(base_url, model, api_key)`` for examples and demos: ``LIGHTNING_RL_BASE_URL`` (with
+    ``LIGHTNING_RL_MODEL`` and ``LIGHTNING_RL_API_KEY``) when set, else the project's tiny model
+    served by a local vLLM for the duration of the block (built with ``make model`` if missing)."""
+    base_url = os.environ.get(ENV_BASE_URL)
+    if base_url:
+        yield base_url.rstrip("/"), os.environ.get(ENV_MODEL, "tiny"), os.environ.get(ENV_API_KEY, "EMPTY")
+        return
+    root = Path(__file__).resolve().parent.parent
+    model = Path(model_dir) if model_dir else root / ".cache" / "tiny-qwen2"
+    if not (model / "config.json").exists():
+        subprocess.run(["make", "-C", str(root), "model"], check=True)
+    with VLLMServer(model=str(model), log_path=log_path) as server:
+        yield server.base_url, server.served_name, "EMPTY"

@@ -8,7 +8,7 @@ EXPECTED = {
     "RolloutStatus", "SQLiteStore", "Sample", "SchemaTooNewError", "Span", "Store", "StoreError",
     "TaskNotSerializableError", "TokenIdsSource", "ToolCall", "Trajectory", "UnknownNameError",
     "__version__", "agent_scope", "configure", "current_rollout_id", "emit_reward", "flush", "open_store",
-    "register_credit", "rollout_overrides", "set_policy_version", "stats", "trace",
+    "register_credit", "rollout_overrides", "set_policy_version", "stats", "tool_span", "trace",
 }
 
 

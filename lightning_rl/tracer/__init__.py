@@ -1,6 +1,6 @@
 """Rollout context, the ``@trace`` decorator, ``emit_reward`` and the private OTel provider."""
 
-from .context import RolloutState, agent_scope, current_agent_name, current_rollout
+from .context import RolloutState, ToolSpan, agent_scope, current_agent_name, current_rollout, tool_span
 from .decorator import current_rollout_id, rollout_overrides, trace
 from .provider import Tracing, tracing
 from .rewards import emit_reward
@@ -10,6 +10,7 @@ __all__ = [
     "RolloutState",
     "SpanRow",
     "SpanSink",
+    "ToolSpan",
     "Tracing",
     "agent_scope",
     "current_agent_name",
@@ -17,6 +18,7 @@ __all__ = [
     "current_rollout_id",
     "emit_reward",
     "rollout_overrides",
+    "tool_span",
     "trace",
     "tracing",
 ]

@@ -112,3 +112,23 @@ def agent_scope(name: str) -> Iterator[None]:
             yield
     finally:
         _agent.reset(token)
+
+
+class ToolSpan:
+    """What ``tool_span`` yields: set ``result`` (any JSON-able value) before the block ends."""
+
+    __slots__ = ("result",)
+
+    def __init__(self) -> None:
+        self.result: Any = None
+
+
+@contextlib.contextmanager
+def tool_span(name: str, *, call_id: str | None = None, arguments: Any = None) -> Iterator[ToolSpan]:
+    """Record a tool call made by plain code as an ``execute_tool {name}`` span (frameworks' tool
+    calls are recorded by their adapters). Inside a rollout only; elsewhere it does nothing."""
+    from .provider import record_tool_span  # late: provider imports this module
+
+    handle = ToolSpan()
+    with record_tool_span(name, call_id, arguments, handle):
+        yield handle

@@ -202,6 +202,48 @@ def agent_span(name: str) -> Iterator[None]:
         _our_span.reset(token)
 
 
+@contextlib.contextmanager
+def record_tool_span(name: str, call_id: str | None, arguments: Any, handle: Any) -> Iterator[None]:
+    if _rollout.get() is None:
+        yield
+        return
+    from .context import current_agent_name
+
+    span = None
+    try:
+        attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: name}
+        if call_id:
+            attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
+        if arguments is not None:
+            attrs[semconv.TOOL_ARGUMENTS] = arguments if isinstance(arguments, str) else _json(arguments)
+        agent = current_agent_name()
+        if agent:
+            attrs[semconv.GEN_AI_AGENT_NAME] = agent
+        span = tracing.tracer.start_span(f"execute_tool {name}", context=parent_context(), attributes=attrs)
+    except Exception as exc:
+        report_failure("tool span", exc)
+    if span is None:
+        yield
+        return
+    try:
+        with otel_trace.use_span(span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
+            yield
+    finally:
+        try:
+            if handle.result is not None:
+                result = handle.result
+                span.set_attribute(semconv.TOOL_RESULT, result if isinstance(result, str) else _json(result))
+        except Exception as exc:
+            report_failure("tool span result", exc)
+        span.end()
+
+
+def _json(value: Any) -> str:
+    import orjson
+
+    return orjson.dumps(value, default=repr).decode()
+
+
 def add_span_processors(processors: Sequence[SpanProcessor]) -> None:
     for processor in processors:
         tracing.add_span_processor(processor)

@@ -287,3 +287,22 @@ def test_user_processor_can_receive_our_spans(traced):
 
     agent(1)
     assert "invoke_agent agent" in [s.name for s in exporter.get_finished_spans()]
+
+
+def test_tool_span_records_plain_code_tool_calls(traced):
+    @lrl.trace
+    def agent(x):
+        with lrl.agent_scope("solver"), lrl.tool_span("calculator", call_id="call_1", arguments={"e": "1+2"}) as tool:
+            tool.result = 3
+        with lrl.tool_span("broken", call_id="call_2"):
+            raise ValueError("tool failed")
+
+    with pytest.raises(ValueError):
+        agent(1)
+    t = next(traced.trajectories())
+    ok, broken = t.tool_spans
+    assert ok.attributes["gen_ai.tool.call.id"] == "call_1" and ok.attributes["gen_ai.tool.call.result"] == "3"
+    assert ok.attributes["gen_ai.tool.call.arguments"] == '{"e":"1+2"}' and ok.attributes["gen_ai.agent.name"] == "solver"
+    assert broken.status_code == "ERROR"
+    with lrl.tool_span("outside") as tool:  # outside a rollout: nothing recorded, nothing raised
+        tool.result = 1
