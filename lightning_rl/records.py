@@ -216,3 +216,27 @@ def allowed_from(new: RolloutStatus | str) -> frozenset[RolloutStatus]:
     """The statuses from which a rollout may move to ``new`` (from ``TRANSITIONS``)."""
     new = RolloutStatus(new)
     return frozenset(old for old, targets in TRANSITIONS.items() if new in targets)
+
+
+class QueueStatus(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+
+
+class QueueEntry(_Record):
+    """One attempt at a task in the store's task queue (a task tried n times = n entries, one group)."""
+
+    queue_id: str
+    group_id: str
+    task: Any = None
+    attempt: int = 0
+    mode: Mode = Mode.TRAIN
+    status: QueueStatus = QueueStatus.QUEUED
+    runner: str | None = None
+    lease_expires: float | None = None
+    tries: int = 0  # how many times it was leased (a retry after a dead runner is another try)
+    max_tries: int = 3
+    rollout_id: str | None = None  # the rollout of the current (or last) try
+    outcome: RolloutStatus | None = None  # succeeded / failed / timed_out, when done
+    created: float = Field(default_factory=time.time)

@@ -11,7 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
-from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus, Sample, Span, Trajectory
+import time
+import uuid
+
+from ..records import Mode, QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Sample, Span, Trajectory
+from . import task_queue
 from ..settings import check_mode
 from .assembly import assemble
 from .samples import SampleStats, trajectory_samples
@@ -47,6 +51,9 @@ class Store:
         raise NotImplementedError
 
     def _insert_reward(self, reward: Reward) -> None:
+        raise NotImplementedError
+
+    def _queue_txn(self, fn):  # fn(view: task_queue.QueueView) -> T, run atomically
         raise NotImplementedError
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -154,6 +161,40 @@ class Store:
             if agent is not None and agent not in traj.agents:
                 continue
             yield traj
+
+    # -- the task queue (rules in store/task_queue.py) --------------------------------------------
+    def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
+                group_id: str | None = None) -> list[QueueEntry]:
+        """Queue ``task`` to be tried ``n`` times (one group). Returns the new entries."""
+        check_mode(mode)
+        entries = task_queue.new_group(task, n, mode=mode, max_tries=max_tries, group_id=group_id)
+        self._queue_txn(lambda view: view.put(entries))
+        return entries
+
+    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:
+        """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued, see the rules)."""
+
+        def expire(rollout_id: str, reason: str) -> None:
+            self.finish_rollout(rollout_id, RolloutStatus.TIMED_OUT, time.time(), reason)
+
+        return self._queue_txn(lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire))
+
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
+        return self._queue_txn(lambda view: task_queue.heartbeat(view, queue_id, runner, lease_seconds, time.time()))
+
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+        """Record a try's outcome. False if ``runner`` no longer holds the lease (it expired)."""
+        return self._queue_txn(lambda view: task_queue.complete(view, queue_id, runner, outcome))
+
+    def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        statuses = list(task_queue.QueueStatus)
+        return self._queue_txn(lambda view: view.select(status=statuses, group_ids=group_ids))
+
+    def wait_for_groups(self, group_ids: Sequence[str], *, timeout: float | None = None) -> bool:
+        """Wait until every try of these groups is done; False on timeout."""
+        left = task_queue.wait_until(lambda: self._queue_txn(lambda view: task_queue.pending(view, group_ids)),
+                                     lambda n: n == 0, timeout)
+        return left == 0
 
     def samples(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from ..records import Reward, Rollout, RolloutStatus, Span, allowed_from
+from ..records import QueueEntry, Reward, Rollout, RolloutStatus, Span, allowed_from
 from ..tracer.diagnostics import count
 from ..tracer.sink import SpanRow
 from .base import Store
@@ -18,6 +18,8 @@ class InMemoryStore(Store):
         self._rollouts: dict[str, Rollout] = {}
         self._spans: dict[str, dict[int, Span]] = {}
         self._rewards: dict[str, list[Reward]] = {}
+        self._queue: dict[str, QueueEntry] = {}
+        self._qlock = threading.Lock()
 
     # sink
     def start_rollout(self, rollout: Rollout) -> None:
@@ -76,3 +78,23 @@ class InMemoryStore(Store):
 
     def _insert_reward(self, reward: Reward) -> None:
         self.write_reward(reward)
+
+    def _queue_txn(self, fn):
+        with self._qlock:
+            return fn(_MemoryQueueView(self._queue))
+
+
+class _MemoryQueueView:
+    def __init__(self, entries: dict[str, QueueEntry]) -> None:
+        self._entries = entries
+
+    def select(self, *, status, group_ids=None, queue_id=None, limit=None):
+        out = [e for e in self._entries.values()
+               if e.status in status and (group_ids is None or e.group_id in group_ids)
+               and (queue_id is None or e.queue_id == queue_id)]
+        out.sort(key=lambda e: (e.created, e.attempt))
+        return out[:limit] if limit is not None else out
+
+    def put(self, entries) -> None:
+        for e in entries:
+            self._entries[e.queue_id] = e

@@ -71,6 +71,21 @@ def _initial(db: sqlite_utils.Database) -> None:
     db["rewards"].create_index(["rollout_id"], index_name="rewards_rollout")
 
 
+@migration(2, "task queue")
+def _task_queue(db: sqlite_utils.Database) -> None:
+    db["queue"].create(
+        {
+            "queue_id": str, "group_id": str, "task": str, "attempt": int, "mode": str, "status": str,
+            "runner": str, "lease_expires": float, "tries": int, "max_tries": int, "rollout_id": str,
+            "outcome": str, "created": float,
+        },
+        pk="queue_id",
+        not_null={"group_id", "attempt", "mode", "status", "tries", "max_tries", "created"},
+    )
+    db["queue"].create_index(["status", "created"], index_name="queue_status_created")
+    db["queue"].create_index(["group_id"], index_name="queue_group")
+
+
 def _user_tables(conn: sqlite3.Connection) -> list[str]:
     rows = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")
     return [r[0] for r in rows]

@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from ..records import Reward, Rollout, Span
+from ..records import QueueEntry, Reward, Rollout, Span
 from ..tracer.diagnostics import count
 from ..tracer.sink import SpanRow
 
@@ -91,3 +91,18 @@ def reward_values(r: Reward) -> tuple:
 
 def reward_from_values(values: tuple | list) -> Reward:
     return Reward.model_validate(dict(zip(REWARD_COLUMNS, values)))
+
+
+QUEUE_COLUMNS = ("queue_id", "group_id", "task", "attempt", "mode", "status", "runner", "lease_expires", "tries",
+                 "max_tries", "rollout_id", "outcome", "created")
+
+
+def queue_values(e: QueueEntry) -> tuple:
+    return (e.queue_id, e.group_id, orjson.dumps(e.task).decode(), e.attempt, e.mode.value, e.status.value, e.runner,
+            e.lease_expires, e.tries, e.max_tries, e.rollout_id, e.outcome.value if e.outcome else None, e.created)
+
+
+def queue_from_values(values: tuple | list) -> QueueEntry:
+    data = dict(zip(QUEUE_COLUMNS, values))
+    data["task"] = orjson.loads(data["task"]) if data["task"] is not None else None
+    return QueueEntry.model_validate(data)

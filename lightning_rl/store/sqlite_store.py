@@ -31,6 +31,7 @@ from ..tracer.sink import SpanRow
 from .base import Store
 from .migrations import check_is_store, migrate
 from .rows import (
+    QUEUE_COLUMNS, queue_from_values, queue_values,
     REWARD_COLUMNS, ROLLOUT_COLUMNS, SPAN_COLUMNS, reward_from_values, reward_values,
     rollout_from_values, rollout_values, span_from_values, span_record_values, span_values,
 )
@@ -103,6 +104,8 @@ class SQLiteStore(Store):
             raise
         self._rconn = connect(self.path, self._busy_timeout)
         self._rlock = threading.Lock()
+        self._qconn = connect(self.path, self._busy_timeout)
+        self._qlock = threading.Lock()
         self._writer = BackgroundWriter(
             self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",
             spill=self._spill, give_up_after=self._give_up_after,
@@ -139,7 +142,7 @@ class SQLiteStore(Store):
             return
         self._closed = True
         self._writer.close()
-        for conn in (self._wconn, self._rconn):
+        for conn in (self._wconn, self._rconn, self._qconn):
             try:
                 conn.close()
             except Exception:
@@ -222,6 +225,20 @@ class SQLiteStore(Store):
         self._closed = False
         self._open()
 
+    # -- task queue: synchronous, atomic across processes ------------------------------------------
+    def _queue_txn(self, fn):
+        with self._qlock:
+            conn = self._qconn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(_SQLiteQueueView(conn))
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        return result
+
     # -- reads ------------------------------------------------------------------------------------
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._rlock:
@@ -259,6 +276,35 @@ class SQLiteStore(Store):
         self._writer.put("reward", reward)
         if not self.flush(Settings.from_env().flush_timeout):
             raise StoreError(f"reward for {reward.rollout_id!r} queued but not confirmed on disk in {self.path!r} in time")
+
+
+class _SQLiteQueueView:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def select(self, *, status, group_ids=None, queue_id=None, limit=None):
+        statuses = [str(getattr(x, "value", x)) for x in status]
+        sql = f"SELECT {', '.join(QUEUE_COLUMNS)} FROM queue WHERE status IN ({', '.join('?' * len(statuses))})"
+        params: list[Any] = list(statuses)
+        if group_ids is not None:
+            sql += f" AND group_id IN ({', '.join('?' * len(group_ids))})"
+            params += list(group_ids)
+        if queue_id is not None:
+            sql += " AND queue_id = ?"
+            params.append(queue_id)
+        sql += " ORDER BY created, attempt"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [queue_from_values(r) for r in self._conn.execute(sql, params).fetchall()]
+
+    def put(self, entries) -> None:
+        rows = [queue_values(e) for e in entries]
+        if rows:
+            self._conn.executemany(
+                f"INSERT OR REPLACE INTO queue ({', '.join(QUEUE_COLUMNS)}) VALUES ({', '.join('?' * len(QUEUE_COLUMNS))})",
+                rows,
+            )
 
 
 def _close_all() -> None:

@@ -1,0 +1,105 @@
+"""The task queue: tasks tried n times (one GRPO group), leased to runners, retried when a runner dies.
+
+Rules:
+
+* ``enqueue(task, n=4)`` makes n entries that share a ``group_id``.
+* ``lease(runner, lease_seconds)`` hands out queued entries, and entries whose lease expired (their
+  runner died or hung). An expired try's rollout is marked ``timed_out`` ("lease expired"), is kept,
+  and is never mixed into the retry, which gets a fresh rollout id. An entry leased ``max_tries`` times
+  whose lease expires again is done with outcome ``timed_out``.
+* ``heartbeat`` extends a lease; ``complete`` records the rollout's outcome. Only the runner holding
+  the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused).
+* ``wait(group_ids)`` waits until every entry of those groups is done.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from ..errors import ConfigurationError
+from ..records import Mode, QueueEntry, QueueStatus, RolloutStatus
+
+T = TypeVar("T")
+
+
+class QueueView(Protocol):
+    """What a store gives the queue logic inside one atomic transaction."""
+
+    def select(self, *, status: Sequence[QueueStatus], group_ids: Sequence[str] | None = None,
+               queue_id: str | None = None, limit: int | None = None) -> list[QueueEntry]: ...
+
+    def put(self, entries: Iterable[QueueEntry]) -> None: ...  # insert or replace
+
+
+def new_group(task: Any, n: int, *, mode: str | Mode = Mode.TRAIN, max_tries: int = 3,
+              group_id: str | None = None) -> list[QueueEntry]:
+    if n < 1:
+        raise ConfigurationError(f"a task must be tried at least once, got n={n}")
+    group_id = group_id or uuid.uuid4().hex
+    return [QueueEntry(queue_id=uuid.uuid4().hex, group_id=group_id, task=task, attempt=i, mode=Mode(mode),
+                       max_tries=max_tries) for i in range(n)]
+
+
+def lease(view: QueueView, runner: str, lease_seconds: float, limit: int, now: float,
+          expire_rollout: Callable[[str, str], None]) -> list[QueueEntry]:
+    out: list[QueueEntry] = []
+    changed: list[QueueEntry] = []
+    for entry in view.select(status=[QueueStatus.LEASED]):
+        if entry.lease_expires is not None and entry.lease_expires < now:
+            if entry.rollout_id:
+                expire_rollout(entry.rollout_id, f"lease of runner {entry.runner!r} expired")
+            if entry.tries >= entry.max_tries:
+                entry = entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus.TIMED_OUT,
+                                                 "runner": None, "lease_expires": None})
+            else:
+                entry = entry.model_copy(update={"status": QueueStatus.QUEUED, "runner": None, "lease_expires": None})
+            changed.append(entry)
+    view.put(changed)
+    for entry in view.select(status=[QueueStatus.QUEUED], limit=limit):
+        leased = entry.model_copy(update={
+            "status": QueueStatus.LEASED, "runner": runner, "lease_expires": now + lease_seconds,
+            "tries": entry.tries + 1, "rollout_id": uuid.uuid4().hex,
+        })
+        out.append(leased)
+    view.put(out)
+    return out
+
+
+def _held(view: QueueView, queue_id: str, runner: str) -> QueueEntry | None:
+    found = view.select(status=[QueueStatus.LEASED], queue_id=queue_id)
+    return found[0] if found and found[0].runner == runner else None
+
+
+def heartbeat(view: QueueView, queue_id: str, runner: str, lease_seconds: float, now: float) -> bool:
+    entry = _held(view, queue_id, runner)
+    if entry is None:
+        return False
+    view.put([entry.model_copy(update={"lease_expires": now + lease_seconds})])
+    return True
+
+
+def complete(view: QueueView, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    entry = _held(view, queue_id, runner)
+    if entry is None:
+        return False
+    view.put([entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus(outcome),
+                                       "runner": None, "lease_expires": None})])
+    return True
+
+
+def pending(view: QueueView, group_ids: Sequence[str]) -> int:
+    return len(view.select(status=[QueueStatus.QUEUED, QueueStatus.LEASED], group_ids=list(group_ids)))
+
+
+def wait_until(check: Callable[[], T], done: Callable[[T], bool], timeout: float | None, poll: float = 0.05) -> T:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    value = check()
+    while not done(value):
+        if deadline is not None and time.monotonic() >= deadline:
+            return value
+        time.sleep(poll)
+        value = check()
+    return value

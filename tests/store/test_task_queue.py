@@ -1,0 +1,87 @@
+"""The task queue contract: groups, leases, heartbeats, expiry and retries, outcomes (both stores)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.records import QueueStatus, RolloutStatus
+
+
+def test_enqueue_makes_a_group_of_n_tries(store):
+    entries = store.enqueue({"q": "2+2"}, n=4)
+    assert len({e.group_id for e in entries}) == 1 and [e.attempt for e in entries] == [0, 1, 2, 3]
+    assert {e.status for e in store.queue_entries()} == {QueueStatus.QUEUED}
+    with pytest.raises(ValueError, match="at least once"):
+        store.enqueue("x", n=0)
+
+
+def test_lease_is_exclusive_and_complete_needs_the_lease(store):
+    store.enqueue("t", n=3)
+    a = store.lease("runner-a", limit=2)
+    b = store.lease("runner-b", limit=5)
+    assert len(a) == 2 and len(b) == 1
+    assert {e.queue_id for e in a}.isdisjoint({e.queue_id for e in b})
+    assert all(e.rollout_id and e.tries == 1 for e in a + b)
+    assert store.lease("runner-c") == []
+    assert not store.complete(a[0].queue_id, "runner-b", "succeeded")  # not b's lease
+    assert store.complete(a[0].queue_id, "runner-a", "succeeded")
+    assert not store.wait_for_groups([a[0].group_id], timeout=0.1)
+    for e in a[1:]:
+        store.complete(e.queue_id, "runner-a", "failed")
+    store.complete(b[0].queue_id, "runner-b", "succeeded")
+    assert store.wait_for_groups([a[0].group_id], timeout=1)
+    assert sorted(e.outcome for e in store.queue_entries()) == ["failed", "succeeded", "succeeded"]
+
+
+def test_expired_lease_is_retried_and_the_partial_attempt_kept_as_timed_out(store):
+    previous = lrl.tracer.tracing._sink
+    lrl.configure(store=store)
+    try:
+        (entry,) = store.enqueue({"q": 1}, n=1)
+        (first,) = store.lease("doomed", lease_seconds=0.2)
+
+        @lrl.trace
+        def agent(task):
+            lrl.emit_reward(0.5)
+            return 1.0
+
+        # the doomed runner started its rollout and died before finishing it
+        store.start_rollout(lrl.Rollout(rollout_id=first.rollout_id, task={"q": 1}, group_id=first.group_id))
+        store.flush()
+        time.sleep(0.3)
+        (retry,) = store.lease("healthy", lease_seconds=10)
+        assert retry.queue_id == entry.queue_id and retry.tries == 2 and retry.rollout_id != first.rollout_id
+        assert not store.heartbeat(first.queue_id, "doomed")  # the dead runner lost its lease
+        with lrl.rollout_overrides(rollout_id=retry.rollout_id, group_id=retry.group_id, attempt=retry.attempt):
+            agent(retry.task)
+        assert store.complete(retry.queue_id, "healthy", "succeeded")
+        store.flush()
+        partial = store.get_rollout(first.rollout_id)
+        assert partial.status == RolloutStatus.TIMED_OUT and "lease" in partial.error
+        assert store.get_rollout(retry.rollout_id).status == RolloutStatus.SUCCEEDED
+        samples_from = {t.rollout_id for t in store.trajectories(status="succeeded")}
+        assert samples_from == {retry.rollout_id}  # the partial attempt is not mixed in
+    finally:
+        lrl.tracer.tracing.set_sink(previous)
+
+
+def test_too_many_expired_tries_end_timed_out(store):
+    store.enqueue("t", n=1, max_tries=2)
+    for _ in range(2):
+        assert store.lease("r", lease_seconds=0.05)
+        time.sleep(0.1)
+    assert store.lease("r") == []
+    (entry,) = store.queue_entries()
+    assert entry.status == QueueStatus.DONE and entry.outcome == RolloutStatus.TIMED_OUT
+
+
+def test_heartbeat_keeps_a_lease_alive(store):
+    store.enqueue("t", n=1)
+    (e,) = store.lease("r", lease_seconds=0.3)
+    for _ in range(4):
+        time.sleep(0.1)
+        assert store.heartbeat(e.queue_id, "r", lease_seconds=0.3)
+    assert store.lease("other") == []
