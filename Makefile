@@ -15,7 +15,7 @@ all: venv venv-vllm model
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local]'
 	touch $@
 venv: $(VENV)/.stamp
 

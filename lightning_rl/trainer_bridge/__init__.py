@@ -1,1 +1,5 @@
 """Trajectories to training batches and new weights back to the served model (see DESIGN.md)."""
+
+from .publishers import PUBLISHERS, Publisher, PublishError, VLLMLoRAPublisher, make_publisher, register_publisher
+
+__all__ = ["PUBLISHERS", "PublishError", "Publisher", "VLLMLoRAPublisher", "make_publisher", "register_publisher"]

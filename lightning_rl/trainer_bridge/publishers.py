@@ -1,0 +1,85 @@
+"""Weight publishers: new weights to the served model, and the new policy version to the tracer.
+
+A registry (``register_publisher``); built in: ``vllm_lora``, which saves a PEFT LoRA adapter and
+hot-loads it into a running vLLM OpenAI server under a stable name
+(``POST /v1/load_lora_adapter`` with ``load_inplace``; the server runs with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). Agents call the model by that name. After a publish,
+every new LLM span for that model records the new policy version.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import ConfigurationError, LightningRLError, UnknownNameError
+from ..tracer.provider import tracing
+
+
+class PublishError(LightningRLError, RuntimeError):
+    """The served model refused or could not be reached for a weight update."""
+
+
+class Publisher(Protocol):
+    served_name: str
+
+    def publish(self, model: Any, version: int) -> None: ...
+
+
+PUBLISHERS: dict[str, Callable[..., Publisher]] = {}
+
+
+def register_publisher(name: str) -> Callable[[Callable[..., Publisher]], Callable[..., Publisher]]:
+    def register(factory: Callable[..., Publisher]) -> Callable[..., Publisher]:
+        PUBLISHERS[name] = factory
+        return factory
+
+    return register
+
+
+def make_publisher(name: str, **kwargs: Any) -> Publisher:
+    try:
+        factory = PUBLISHERS[name]
+    except KeyError:
+        raise UnknownNameError(f"unknown publisher {name!r}; known: {', '.join(sorted(PUBLISHERS))}") from None
+    return factory(**kwargs)
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> str:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise PublishError(f"{url} answered {exc.code}: {detail}") from None
+    except OSError as exc:
+        raise PublishError(f"cannot reach {url}: {exc}; is the vLLM server running with --enable-lora?") from None
+
+
+@register_publisher("vllm_lora")
+class VLLMLoRAPublisher:
+    """Hot-load a PEFT LoRA adapter into vLLM under ``served_name``, replacing the previous one."""
+
+    def __init__(self, *, server_url: str, adapter_dir: str | Path, served_name: str = "policy",
+                 timeout: float = 120.0) -> None:
+        if not server_url.startswith(("http://", "https://")):
+            raise ConfigurationError(f"server_url must be http(s)://host:port, got {server_url!r}")
+        self.server_url = server_url.rstrip("/").removesuffix("/v1")
+        self.adapter_dir = Path(adapter_dir)
+        self.served_name = served_name
+        self.timeout = timeout
+
+    def publish(self, model: Any, version: int) -> None:
+        """``model``: a PEFT model (``save_pretrained`` writes the adapter). Records ``version``."""
+        path = (self.adapter_dir / f"v{version:05d}").resolve()
+        model.save_pretrained(str(path))
+        _post(f"{self.server_url}/v1/load_lora_adapter",
+              {"lora_name": self.served_name, "lora_path": str(path), "load_inplace": True},
+              self.timeout)
+        tracing.set_policy_version(version, model=self.served_name)
