@@ -22,6 +22,8 @@ class RolloutState:
     agent: str | None
     mode: str
     policy_version: int | None
+    group_id: str | None = None
+    attempt: int = 0
     seq: Iterator[int] = field(default_factory=itertools.count)
     llm_call_counter: Iterator[int] = field(default_factory=itertools.count)
     last_llm_call: int | None = None  # index of the latest LLM call that finished

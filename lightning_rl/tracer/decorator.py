@@ -43,13 +43,14 @@ from .diagnostics import report_failure
 from .provider import agent_span, parent_context, tracing
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
-_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task"})
+_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout"})
 
 
 @contextlib.contextmanager
 def rollout_overrides(**values: Any) -> Iterator[None]:
     """Set fields of the next rollout(s) started in this context: ``rollout_id``, ``group_id``,
-    ``attempt``, ``mode``, ``task``. Runners use it; users can use it to choose a rollout id."""
+    ``attempt``, ``mode``, ``task``, and ``timeout`` (seconds; async agents: the rollout ends
+    ``timed_out`` when it is exceeded). Runners use it; users can use it to choose a rollout id."""
     unknown = set(values) - _OVERRIDE_KEYS
     if unknown:
         from ..errors import ConfigurationError
@@ -145,7 +146,8 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
         sink.start_rollout(rollout)
     except Exception as exc:
         report_failure("rollout start", exc)
-    state = RolloutState(rollout.rollout_id, opts.name, agent, mode, rollout.policy_version)
+    state = RolloutState(rollout.rollout_id, opts.name, agent, mode, rollout.policy_version,
+                         group_id=rollout.group_id, attempt=rollout.attempt)
     rollout_token = _rollout.set(state)
     agent_token = _agent.set(None)
     hint_token = _llm_hint.set(None)
@@ -262,8 +264,12 @@ def trace(
                     with _nested(opts):
                         return await func(*args, **kwargs)
                 active = _begin(opts, args, kwargs)
+                timeout = (_overrides.get() or {}).get("timeout")
                 try:
-                    result = await func(*args, **kwargs)
+                    if timeout is None:
+                        result = await func(*args, **kwargs)
+                    else:
+                        result = await asyncio.wait_for(func(*args, **kwargs), timeout)
                 except BaseException as exc:
                     _end(active, exc=exc)
                     await asyncio.get_running_loop().run_in_executor(None, _flush, active.sink)

@@ -1,0 +1,199 @@
+"""``Trainer.fit``: the training loop over a task set, on the same mechanism as production.
+
+Each step: sample ``tasks_per_step`` tasks, queue each ``n`` times (one group), let runners execute
+the traced agent against the served model, build samples from the *succeeded* rollouts of those
+groups (failed and timed-out ones are counted, never trained on), update the policy, publish the
+new weights (policy version = step + 1), and append a metrics line to ``metrics.jsonl``. Optional
+held-out evaluation before and after (``mode="eval"``). ``plot_metrics`` draws reward against step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigurationError, UnknownNameError
+from ..records import RolloutStatus, Sample
+from ..store.base import Store
+from ..store.samples import trajectory_samples
+from .local import LocalBackend, LocalConfig
+from .publishers import Publisher, make_publisher
+from .runner import Runner
+
+BACKENDS = ("local",)
+
+
+@dataclass
+class TrainResult:
+    history: list[dict[str, Any]]
+    metrics_path: Path
+    plot_path: Path | None
+    eval_before: float | None = None
+    eval_after: float | None = None
+
+
+@dataclass
+class Trainer:
+    agent: Callable[[Any], Any]
+    tasks: Sequence[Any]
+    store: Store
+    model_dir: str | Path
+    server_url: str
+    backend: str = "local"
+    served_name: str = "policy"
+    out_dir: str | Path = ".cache/train"
+    n: int = 8
+    tasks_per_step: int = 8
+    steps: int = 20
+    eval_tasks: Sequence[Any] = ()
+    eval_agent: Callable[[Any], Any] | None = None
+    eval_n: int = 1
+    concurrency: int = 16
+    level: str = "call"
+    credit: str = "final"
+    agents: str | Sequence[str] | None = None
+    local: LocalConfig = field(default_factory=LocalConfig)
+    seed: int = 0
+    lease_seconds: float = 60.0
+    rollout_timeout: float | None = 120.0
+    progress: bool = True
+    publisher: Publisher | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise UnknownNameError(
+                f"unknown backend {self.backend!r}; known: {', '.join(BACKENDS)} (verl comes with the verl bridge)"
+            )
+        if not self.tasks:
+            raise ConfigurationError("Trainer needs at least one task")
+        self.out_dir = Path(self.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self._rng = random.Random(self.seed)
+
+    # -- rollouts -----------------------------------------------------------------------------------
+    def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
+        groups = [self.store.enqueue(task, n=n, mode=mode)[0].group_id for task in tasks]
+        bar = _bar(len(tasks) * n, desc, self.progress)
+        runner = Runner(self.store, agent, concurrency=self.concurrency, lease_seconds=self.lease_seconds,
+                        rollout_timeout=self.rollout_timeout)
+        runner.run_until_done(groups, on_done=lambda entry, outcome: bar.update(1))
+        bar.close()
+        return groups
+
+    def _outcomes(self, groups: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+        entries = self.store.queue_entries(groups)
+        counts: dict[str, int] = {}
+        for e in entries:
+            counts[str(e.outcome)] = counts.get(str(e.outcome), 0) + 1
+        return [e.rollout_id for e in entries if e.outcome == RolloutStatus.SUCCEEDED], counts
+
+    def evaluate(self, tasks: Sequence[Any] | None = None, *, n: int | None = None) -> float:
+        """Mean final reward of held-out tasks (``mode="eval"``; failed rollouts count as 0)."""
+        tasks = list(tasks if tasks is not None else self.eval_tasks)
+        groups = self._run_groups(self.eval_agent or self.agent, tasks, n or self.eval_n, "eval", "eval")
+        entries = self.store.queue_entries(groups)
+        rewards = [self.store.trajectory(e.rollout_id).final_reward or 0.0
+                   if e.outcome == RolloutStatus.SUCCEEDED else 0.0 for e in entries]
+        return sum(rewards) / max(1, len(rewards))
+
+    def samples_of(self, rollout_ids: Sequence[str]) -> list[Sample]:
+        out: list[Sample] = []
+        for rid in rollout_ids:
+            samples, _ = trajectory_samples(self.store.trajectory(rid, credit=self.credit), level=self.level,
+                                            agents=self.agents)
+            out += [s for s in samples if s.reward is not None]
+        return out
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        backend = LocalBackend(self.model_dir, self.local, seed=self.seed)
+        publisher = self.publisher or make_publisher(
+            "vllm_lora", server_url=self.server_url, adapter_dir=self.out_dir / "adapters", served_name=self.served_name)
+        publisher.publish(backend.model, 0)
+        started = time.time()
+        history: list[dict[str, Any]] = []
+        result = TrainResult(history, self.metrics_path, None)
+        if self.eval_tasks:
+            result.eval_before = self.evaluate()
+            self._log(history, {"step": 0, "eval_success": result.eval_before, "policy_version": 0, "time_s": 0.0})
+        steps = _bar(self.steps, "train steps", self.progress)
+        for step in range(self.steps):
+            batch = [self.tasks[self._rng.randrange(len(self.tasks))] for _ in range(self.tasks_per_step)]
+            groups = self._run_groups(self.agent, batch, self.n, "train", f"rollouts step {step + 1}")
+            rollout_ids, counts = self._outcomes(groups)
+            samples = self.samples_of(rollout_ids)
+            line: dict[str, Any] = {"step": step + 1, "outcomes": counts, "train_reward": _mean_reward(self.store, rollout_ids)}
+            if samples:
+                line.update(backend.update(samples))
+                publisher.publish(backend.model, step + 1)
+            line["policy_version"] = step + 1 if samples else step
+            line["time_s"] = round(time.time() - started, 1)
+            self._log(history, line)
+            steps.update(1)
+            steps.set_postfix(reward=f"{line['train_reward']:.2f}")
+        steps.close()
+        if self.eval_tasks:
+            result.eval_after = self.evaluate()
+            self._log(history, {"step": self.steps, "eval_success": result.eval_after,
+                                "policy_version": history[-1]["policy_version"], "time_s": round(time.time() - started, 1)})
+        result.plot_path = plot_metrics(self.metrics_path, self.out_dir / "reward.png")
+        return result
+
+    def _log(self, history: list[dict[str, Any]], line: dict[str, Any]) -> None:
+        history.append(line)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _mean_reward(store: Store, rollout_ids: Sequence[str]) -> float:
+    rewards = [store.trajectory(r).final_reward or 0.0 for r in rollout_ids]
+    return sum(rewards) / max(1, len(rewards))
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, **kw: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False)
+
+
+def plot_metrics(metrics_path: str | Path, out: str | Path) -> Path:
+    """Reward against step from a metrics.jsonl (train reward per step, held-out success points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x.strip()]
+    train = [(x["step"], x["train_reward"]) for x in lines if "train_reward" in x]
+    evals = [(x["step"], x["eval_success"]) for x in lines if "eval_success" in x]
+    if not train and not evals:
+        raise ConfigurationError(f"{metrics_path} has no train_reward or eval_success lines to plot")
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    if train:
+        ax.plot(*zip(*train), marker="o", label="train reward (mean over rollouts)")
+    if evals:
+        ax.plot(*zip(*evals), marker="s", linestyle="--", label="held-out success")
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

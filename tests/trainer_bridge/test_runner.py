@@ -1,0 +1,97 @@
+"""Runners on the task queue: outcomes, timeouts, and a runner killed with SIGKILL mid-rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.records import RolloutStatus
+from lightning_rl.trainer_bridge.runner import Runner
+
+
+async def _agent_impl(task):
+    await asyncio.sleep(0.01)
+    if task["kind"] == "boom":
+        raise ConnectionError("model server returned 400")
+    if task["kind"] == "slow":
+        await asyncio.sleep(5)
+    return 1.0
+
+
+def test_outcomes_failures_and_timeouts_are_never_successes(traced):
+    agent = lrl.trace(_agent_impl)
+    groups = [traced.enqueue({"kind": k}, n=2)[0].group_id for k in ("ok", "boom", "slow")]
+    Runner(traced, agent, concurrency=6, rollout_timeout=0.5).run_until_done(groups)
+    by_kind = {}
+    for e in traced.queue_entries(groups):
+        by_kind.setdefault(e.task["kind"], set()).add(e.outcome)
+        assert traced.get_rollout(e.rollout_id).status == e.outcome  # queue and rollout agree
+    assert by_kind == {"ok": {RolloutStatus.SUCCEEDED}, "boom": {RolloutStatus.FAILED},
+                       "slow": {RolloutStatus.TIMED_OUT}}
+    assert "400" in traced.get_rollout(traced.queue_entries([groups[1]])[0].rollout_id).error
+    samples, _ = traced.samples()
+    assert {s.rollout_id for s in samples} <= {e.rollout_id for e in traced.queue_entries([groups[0]])}
+
+
+def test_sync_agents_run_with_their_context(traced):
+    @lrl.trace
+    def agent(task):
+        lrl.emit_reward(0.5)
+        return 1.0
+
+    groups = [traced.enqueue({"i": i}, n=3)[0].group_id for i in range(2)]
+    Runner(traced, agent, concurrency=3).run_until_done(groups)
+    entries = traced.queue_entries(groups)
+    assert len(entries) == 6 and {e.outcome for e in entries} == {RolloutStatus.SUCCEEDED}
+    assert all(len(traced.rewards(e.rollout_id)) == 2 for e in entries)
+
+
+DOOMED_RUNNER = """
+import asyncio, sys, time
+import lightning_rl as lrl
+from lightning_rl.trainer_bridge.runner import Runner
+store = lrl.configure(store=sys.argv[1])
+
+@lrl.trace
+async def agent(task):
+    print("started", flush=True)
+    await asyncio.sleep(60)   # killed long before this ends
+    return 1.0
+
+Runner(store, agent, runner_id="doomed", lease_seconds=1.0, rollout_timeout=None).run_until_done(sys.argv[2:])
+"""
+
+
+def test_killed_runner_lease_expires_and_task_is_retried(tmp_path):
+    db = tmp_path / "runs.db"
+    store = lrl.SQLiteStore(db)
+    (entry,) = store.enqueue({"q": 1}, n=1)
+    proc = subprocess.Popen([sys.executable, "-c", DOOMED_RUNNER, f"sqlite:///{db}", entry.group_id],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(0.3)  # let the rollout row reach the file
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    previous = lrl.tracer.tracing._sink
+    lrl.configure(store=store)
+    try:
+        @lrl.trace
+        async def agent(task):
+            return 1.0
+
+        Runner(store, agent, runner_id="healthy", lease_seconds=5).run_until_done([entry.group_id])
+    finally:
+        lrl.tracer.tracing.set_sink(previous)
+    (done,) = store.queue_entries([entry.group_id])
+    assert done.outcome == RolloutStatus.SUCCEEDED and done.tries == 2
+    statuses = {r.status for r in store.rollouts()}
+    assert statuses == {RolloutStatus.TIMED_OUT, RolloutStatus.SUCCEEDED}  # the partial try kept, apart
+    assert [t.rollout_id for t in store.trajectories(status="succeeded")] == [done.rollout_id]
+    store.close()
