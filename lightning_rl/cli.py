@@ -164,5 +164,55 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
     )
 
 
+@main.command("train")
+@click.option("--continuous", is_flag=True, required=True,
+              help="Train from production rollouts (mode prod) as rewards arrive.")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--model-dir", required=True, help="The served base model (a Hugging Face directory).")
+@click.option("--server-url", required=True, help="The vLLM server (started with --enable-lora).")
+@click.option("--served-name", default="policy", show_default=True, help="The LoRA name agents call.")
+@click.option("--out", default=".cache/continuous", show_default=True, help="Adapters, state and metrics.")
+@click.option("--min-new", type=int, default=32, show_default=True, help="Fresh rewarded rollouts per update.")
+@click.option("--max-policy-lag", type=int, default=2, show_default=True, help="Drop rollouts older than this.")
+@click.option("--reward-name", default="reward", show_default=True, help="e.g. user_feedback.")
+@click.option("--lr", type=float, default=2e-4, show_default=True)
+@click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between checks.")
+@click.option("--max-updates", type=int, default=None, help="Stop after N updates (default: run forever).")
+@_errors
+def train(continuous, store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
+          interval, max_updates) -> None:
+    """Keep improving the served model from production traffic and late feedback.
+
+    Example: lightning-rl train --continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --min-new 64
+
+    Training over a task set is Python (Trainer.fit; see examples/calculator_rl/train.py).
+    """
+    from .trainer_bridge.continuous import ContinuousTrainer
+    from .trainer_bridge.local import LocalConfig
+
+    trainer = ContinuousTrainer(
+        store=_open(store), model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
+        min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
+        local=LocalConfig(adv_estimator="batch_baseline", lr=lr),
+    )
+    trainer.start()
+    click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
+    trainer.run(interval=interval, max_updates=max_updates)
+
+
+@main.command("plot")
+@click.argument("metrics", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--out", default="reward.png", show_default=True)
+@_errors
+def plot(metrics: str, out: str) -> None:
+    """Draw reward against step from a metrics.jsonl written by a training run.
+
+    Example: lightning-rl plot .cache/demo-rl/metrics.jsonl -o reward.png
+    """
+    from .trainer_bridge.trainer import plot_metrics
+
+    click.echo(str(plot_metrics(metrics, out)))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

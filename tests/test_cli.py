@@ -90,3 +90,17 @@ def test_every_command_has_help_with_an_example_and_is_documented():
         result = run(*path, "--help")
         assert result.exit_code == 0 and "Example:" in result.output, path
         assert f"lightning-rl {' '.join(path)}" in readme, f"`lightning-rl {' '.join(path)}` is not in README.md"
+
+
+def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(x) for x in [
+        {"step": 0, "eval_success": 0.2}, {"step": 1, "train_reward": 0.3}, {"step": 2, "train_reward": 0.6},
+        {"step": 2, "eval_success": 0.7}]) + "\n")
+    out = tmp_path / "r.png"
+    result = run("plot", str(metrics), "-o", str(out))
+    assert result.exit_code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"step": 1}\n')
+    bad = run("plot", str(empty))
+    assert bad.exit_code == 1 and "no train_reward or eval_success" in bad.output

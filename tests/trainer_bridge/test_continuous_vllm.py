@@ -1,0 +1,62 @@
+"""Continuous mode on simulated production traffic with delayed user feedback (real vLLM, real LoRA)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.tracer import tracing
+from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
+from lightning_rl.trainer_bridge.local import LocalConfig
+
+from ..conftest import ensure_tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytest.importorskip("peft")
+
+
+def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_path):
+    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
+
+    @lrl.trace(mode="prod")
+    def production_agent(question):  # returns no reward: feedback comes later
+        r = client.chat.completions.create(model="policy", max_tokens=8,
+                                           messages=[{"role": "user", "content": question}])
+        return r.choices[0].message.content
+
+    trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                                out_dir=tmp_path / "ct", min_new=4, max_policy_lag=0,
+                                local=LocalConfig(adv_estimator="batch_baseline", lr=1e-3))
+    try:
+        trainer.start()
+        assert trainer.version == 0
+        old = [production_agent(f"What is {10 + i}+{20 + i}?") for i in range(6)]
+        assert len(old) == 6
+        ids = [r.rollout_id for r in traced.rollouts(mode="prod")]
+        assert trainer.step() is None  # traffic without feedback is not trained on
+        for rid, value in zip(ids[:3], (1.0, 0.0, 1.0)):
+            traced.add_reward(rid, value, name="reward")  # user feedback, after the rollouts ended
+        assert trainer.step() is None  # 3 < min_new
+        traced.add_reward(ids[3], 0.0)
+        update = trainer.step()
+        assert update is not None and update["rollouts"] == 4 and trainer.version == 1
+        assert (tmp_path / "ct" / "adapters" / "v00001").is_dir()
+        # feedback for a rollout served by version 0 arrives now: too stale with max_policy_lag=0
+        traced.add_reward(ids[4], 1.0)
+        new = [production_agent(f"What is {30 + i}+{40 + i}?") for i in range(4)]
+        assert len(new) == 4
+        new_ids = [r.rollout_id for r in traced.rollouts(mode="prod", newest_first=True, limit=4)]
+        for rid in new_ids:
+            traced.add_reward(rid, 1.0)
+        assert {c.policy_version for rid in new_ids for c in traced.trajectory(rid).llm_calls} == {1}
+        update = trainer.step()
+        assert update["rollouts"] == 4 and update["dropped_stale"] == 1 and trainer.version == 2
+        assert set(trainer.state["used"]) == set(ids[:4]) | set(new_ids) and trainer.state["dropped"] == [ids[4]]
+        # a restarted trainer resumes (same version, nothing trained twice)
+        again = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                                  out_dir=tmp_path / "ct", min_new=1, max_policy_lag=0)
+        again.start()
+        assert again.version == 2 and again.step() is None
+    finally:
+        tracing._policy_versions.pop("policy", None)
