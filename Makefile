@@ -8,7 +8,7 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm model test test-fast demo bench clean
+.PHONY: all venv venv-vllm model test test-fast demo demo-spine bench clean
 
 all: venv venv-vllm model
 
@@ -30,8 +30,8 @@ $(VLLM_VENV)/.stamp: constraints-vllm.txt
 	touch $@
 venv-vllm: $(VLLM_VENV)/.stamp
 
-$(MODEL_DIR)/config.json: scripts/make_tiny_model.py $(VENV)/.stamp
-	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) --layers 4 --warm-start-steps 600
+$(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
+	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) --layers 4 --warm-start-steps 1200
 model: $(MODEL_DIR)/config.json
 
 test: all
@@ -41,6 +41,9 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not slow"
 
 demo: all
+	$(PY) examples/calculator_rl/train.py --model-dir $(MODEL_DIR)
+
+demo-spine: all
 	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
 
 bench: venv

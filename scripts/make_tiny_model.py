@@ -112,7 +112,9 @@ SYSTEM_PROMPTS = ("Answer with the number.", "You are a careful calculator agent
 def synthetic_trace(rng, tool: bool) -> list[dict]:
     """One calculator conversation: a tool call then the tool's result (``tool``), or a direct guess."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    system = rng.choice(SYSTEM_PROMPTS)
+    # Mostly one system prompt (the demo agent's): digits then sit at a fixed offset from where they
+    # are copied, which a tiny model learns quickly; the others keep it usable with framework prompts.
+    system = SYSTEM_PROMPTS[2] if rng.random() < 0.7 else rng.choice(SYSTEM_PROMPTS)
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": f"What is {a}+{b}?"})
     if tool:

@@ -45,3 +45,17 @@ def test_spine_demo_prints_a_summary_line(tmp_path, vllm_url):
     assert summary["trajectory_samples"] >= 4
     assert "lightning-rl rollouts show" in result.stdout and "tokens (engine)" in result.stdout
     assert (tmp_path / "samples.jsonl").read_text().count("\n") == summary["trajectory_samples"]
+
+
+def test_rl_demo_runs_and_prints_its_result_line(tmp_path, vllm_url):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "calculator_rl" / "train.py"), "--server-url", vllm_url,
+         "--out", str(tmp_path / "demo"), "--steps", "2", "--n", "2", "--tasks-per-step", "2", "--eval-tasks", "4"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"success_before", "success_after", "minutes", "peak_rss_mb", "plot"} <= set(line)
+    assert 0.0 <= line["success_before"] <= 1.0 and 0.0 <= line["success_after"] <= 1.0
+    assert (tmp_path / "demo" / "reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert "held-out success" in result.stdout

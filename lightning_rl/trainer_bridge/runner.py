@@ -38,10 +38,28 @@ class Runner:
         self.rollout_timeout = rollout_timeout
         self.poll = poll
         self.is_async = inspect.iscoroutinefunction(agent)
+        self._aio: asyncio.Runner | None = None
 
     def run_until_done(self, group_ids: Sequence[str], *, on_done: Callable[[QueueEntry, str], None] | None = None) -> None:
-        """Lease and run tries until every try of ``group_ids`` is done."""
-        asyncio.run(self._loop(list(group_ids), on_done))
+        """Lease and run tries until every try of ``group_ids`` is done.
+
+        Every call runs on the runner's one event loop: async clients (AsyncOpenAI's connection
+        pool) are bound to the loop they first ran on, and a new loop per call breaks them
+        ("Event loop is closed")."""
+        if self._aio is None:
+            self._aio = asyncio.Runner()
+        self._aio.run(self._loop(list(group_ids), on_done))
+
+    def close(self) -> None:
+        if self._aio is not None:
+            self._aio.close()
+            self._aio = None
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     async def _loop(self, group_ids: list[str], on_done) -> None:
         running: set[asyncio.Task] = set()

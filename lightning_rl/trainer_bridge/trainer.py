@@ -75,13 +75,17 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self._rng = random.Random(self.seed)
+        self._runners: dict[int, Runner] = {}
 
     # -- rollouts -----------------------------------------------------------------------------------
     def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
         groups = [self.store.enqueue(task, n=n, mode=mode)[0].group_id for task in tasks]
         bar = _bar(len(tasks) * n, desc, self.progress)
-        runner = Runner(self.store, agent, concurrency=self.concurrency, lease_seconds=self.lease_seconds,
-                        rollout_timeout=self.rollout_timeout)
+        runner = self._runners.get(id(agent))
+        if runner is None:  # one runner (and event loop) per agent for the whole run
+            runner = self._runners[id(agent)] = Runner(
+                self.store, agent, concurrency=self.concurrency, lease_seconds=self.lease_seconds,
+                rollout_timeout=self.rollout_timeout)
         runner.run_until_done(groups, on_done=lambda entry, outcome: bar.update(1))
         bar.close()
         return groups
@@ -143,6 +147,8 @@ class Trainer:
             self._log(history, {"step": self.steps, "eval_success": result.eval_after,
                                 "policy_version": history[-1]["policy_version"], "time_s": round(time.time() - started, 1)})
         result.plot_path = plot_metrics(self.metrics_path, self.out_dir / "reward.png")
+        for runner in self._runners.values():
+            runner.close()
         return result
 
     def _log(self, history: list[dict[str, Any]], line: dict[str, Any]) -> None:
@@ -191,7 +197,7 @@ def plot_metrics(metrics_path: str | Path, out: str | Path) -> Path:
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out)

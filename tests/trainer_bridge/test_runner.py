@@ -95,3 +95,25 @@ def test_killed_runner_lease_expires_and_task_is_retried(tmp_path):
     assert statuses == {RolloutStatus.TIMED_OUT, RolloutStatus.SUCCEEDED}  # the partial try kept, apart
     assert [t.rollout_id for t in store.trajectories(status="succeeded")] == [done.rollout_id]
     store.close()
+
+
+def test_async_clients_survive_repeated_runs(traced, vllm_url):
+    """A pooled AsyncOpenAI client must keep working across run_until_done calls (one loop)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=vllm_url, api_key="EMPTY")
+
+    @lrl.trace
+    async def agent(task):
+        await client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        return 1.0
+
+    with Runner(traced, agent, concurrency=4) as runner:
+        for _ in range(3):
+            groups = [traced.enqueue({"i": i}, n=2)[0].group_id for i in range(2)]
+            runner.run_until_done(groups)
+    outcomes = {e.outcome for e in traced.queue_entries()}
+    assert outcomes == {RolloutStatus.SUCCEEDED}, [traced.get_rollout(e.rollout_id).error for e in traced.queue_entries()]
+
+
+test_async_clients_survive_repeated_runs = pytest.mark.vllm(test_async_clients_survive_repeated_runs)
