@@ -6,8 +6,9 @@ rollout runs, and completes the entry with the rollout's outcome. An exception (
 call included) makes the outcome ``failed``, a timeout ``timed_out``: never a success. A runner
 that dies stops heartbeating; its lease expires and the task is retried by another runner.
 
-Async agents run as asyncio tasks. Sync agents run in threads with a copied context (see
-docs/architecture.md for why not processes yet).
+Async agents run as asyncio tasks on the runner's one event loop. Sync agents run in threads with
+a copied context, or in worker processes (``run_in_processes``: each imports the agent by
+``module:function`` and leases from the same SQLite store file).
 """
 
 from __future__ import annotations
@@ -106,3 +107,60 @@ class Runner:
         await asyncio.to_thread(self.store.complete, entry.queue_id, self.runner_id, outcome)
         if on_done is not None:
             on_done(entry, outcome.value)
+
+
+def agent_reference(agent: Callable[[Any], Any]) -> str:
+    """``module:qualname`` of a module-level traced function, importable by a worker process."""
+    module, name = getattr(agent, "__module__", None), getattr(agent, "__qualname__", "")
+    if not module or "<locals>" in name or module == "__main__":
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"worker processes import the agent by name, but {agent!r} is not importable "
+            f"(module {module!r}, name {name!r}); define it at module level in an importable module"
+        )
+    return f"{module}:{name}"
+
+
+def load_agent(reference: str) -> Callable[[Any], Any]:
+    import importlib
+
+    module, _, name = reference.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _process_worker(store_url: str, reference: str, group_ids: list[str], runner_id: str, concurrency: int,
+                    lease_seconds: float, rollout_timeout: float | None) -> None:
+    from .._api import configure
+
+    store = configure(store=store_url)
+    with Runner(store, load_agent(reference), runner_id=runner_id, concurrency=concurrency,
+                lease_seconds=lease_seconds, rollout_timeout=rollout_timeout) as runner:
+        runner.run_until_done(group_ids)
+    store.flush()
+
+
+def run_in_processes(store_url: str, agent: Callable[[Any], Any], group_ids: Sequence[str], *, processes: int = 2,
+                     threads_per_process: int = 1, lease_seconds: float = 60.0,
+                     rollout_timeout: float | None = None) -> list[int]:
+    """Run a sync agent in ``processes`` worker processes (each leasing from the same store file)
+    until every try of ``group_ids`` is done. Returns the workers' exit codes."""
+    import multiprocessing as mp
+
+    if not store_url.startswith("sqlite:") and "://" in store_url:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(f"worker processes need a store they can all open, got {store_url!r}")
+    reference = agent_reference(agent)
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_process_worker, args=(store_url, reference, list(group_ids), f"proc-{i}",
+                                                          threads_per_process, lease_seconds, rollout_timeout))
+               for i in range(processes)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return [w.exitcode for w in workers]

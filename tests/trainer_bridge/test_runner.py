@@ -117,3 +117,32 @@ def test_async_clients_survive_repeated_runs(traced, vllm_url):
 
 
 test_async_clients_survive_repeated_runs = pytest.mark.vllm(test_async_clients_survive_repeated_runs)
+
+
+def test_sync_agent_in_worker_processes(tmp_path):
+    from lightning_rl.trainer_bridge.runner import run_in_processes
+
+    from .sync_agents import counting_agent
+
+    db = tmp_path / "runs.db"
+    store = lrl.SQLiteStore(db)
+    groups = [store.enqueue({"i": i}, n=3)[0].group_id for i in range(4)]
+    codes = run_in_processes(f"sqlite:///{db}", counting_agent, groups, processes=2)
+    assert codes == [0, 0]
+    entries = store.queue_entries(groups)
+    assert len(entries) == 12 and {e.outcome for e in entries} == {RolloutStatus.SUCCEEDED}
+    assert {e.runner for e in entries} == {None}  # completed
+    finals = sorted(store.trajectory(e.rollout_id).final_reward for e in entries)
+    assert finals == [0.0] * 6 + [1.0] * 6
+    store.close()
+
+
+def test_local_functions_cannot_go_to_processes(tmp_path):
+    from lightning_rl.trainer_bridge.runner import run_in_processes
+
+    @lrl.trace
+    def local_agent(task):
+        return 1.0
+
+    with pytest.raises(lrl.ConfigurationError, match="module level"):
+        run_in_processes(f"sqlite:///{tmp_path / 'x.db'}", local_agent, [])
