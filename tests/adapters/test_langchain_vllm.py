@@ -148,7 +148,7 @@ class Verdict(BaseModel):
 
 
 def test_structured_output_is_not_an_empty_trajectory(traced, llm, tokenizer):
-    structured = llm.with_structured_output(Verdict, include_raw=True)
+    structured = llm.with_structured_output(Verdict, method="function_calling", include_raw=True)
 
     @lrl.trace
     def run(question):
