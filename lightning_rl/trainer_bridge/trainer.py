@@ -9,6 +9,7 @@ held-out evaluation before and after (``mode="eval"``). ``plot_metrics`` draws r
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import time
@@ -23,7 +24,7 @@ from ..store.base import Store
 from ..store.samples import trajectory_samples
 from .local import LocalBackend, LocalConfig
 from .publishers import Publisher, make_publisher
-from .runner import Runner
+from .runner import Runner, run_in_processes
 
 BACKENDS = ("local",)
 
@@ -63,6 +64,7 @@ class Trainer:
     rollout_timeout: float | None = 120.0
     progress: bool = True
     publisher: Publisher | None = None
+    processes: int = 0  # > 0: sync agents run in this many worker processes (SQLite store, importable agent)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -80,6 +82,13 @@ class Trainer:
     # -- rollouts -----------------------------------------------------------------------------------
     def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
         groups = [self.store.enqueue(task, n=n, mode=mode)[0].group_id for task in tasks]
+        if self.processes and not inspect.iscoroutinefunction(agent):
+            codes = run_in_processes(self.store.url, agent, groups, processes=self.processes,
+                                     lease_seconds=self.lease_seconds, rollout_timeout=self.rollout_timeout)
+            if any(codes):
+                raise RuntimeError(f"worker processes exited with {codes}; see their output above")
+            self.store.flush()
+            return groups
         bar = _bar(len(tasks) * n, desc, self.progress)
         runner = self._runners.get(id(agent))
         if runner is None:  # one runner (and event loop) per agent for the whole run

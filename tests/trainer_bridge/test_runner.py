@@ -146,3 +146,17 @@ def test_local_functions_cannot_go_to_processes(tmp_path):
 
     with pytest.raises(lrl.ConfigurationError, match="module level"):
         run_in_processes(f"sqlite:///{tmp_path / 'x.db'}", local_agent, [])
+
+
+def test_trainer_runs_sync_agents_in_processes(tmp_path):
+    from lightning_rl.trainer_bridge.trainer import Trainer
+
+    from .sync_agents import counting_agent
+
+    store = lrl.SQLiteStore(tmp_path / "runs.db")
+    trainer = Trainer(agent=counting_agent, tasks=[{"i": 1}, {"i": 2}], store=store, model_dir="unused",
+                      server_url="http://127.0.0.1:9", out_dir=tmp_path, n=2, processes=2, progress=False)
+    groups = trainer._run_groups(counting_agent, [{"i": 1}, {"i": 2}], 2, "train", "test")
+    rollout_ids, counts = trainer._outcomes(groups)
+    assert counts == {"succeeded": 4} and len(rollout_ids) == 4
+    store.close()
