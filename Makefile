@@ -4,11 +4,12 @@
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
+VERL_VENV := .venv-verl
 MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm model test test-fast demo demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl model test test-fast demo demo-spine bench clean
 
 all: venv venv-vllm model
 
@@ -30,12 +31,23 @@ $(VLLM_VENV)/.stamp: constraints-vllm.txt
 	touch $@
 venv-vllm: $(VLLM_VENV)/.stamp
 
+# verl in its own environment too: it pins transformers < 5.11 (the main one has LangChain's newer
+# transformers and vLLM has its own). Its suite (pytest -m verl) checks our batches and math
+# against verl's own code.
+$(VERL_VENV)/.stamp: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
+	$(VERL_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,verl]'
+	touch $@
+venv-verl: $(VERL_VENV)/.stamp
+
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) --layers 4 --warm-start-steps 1200
 model: $(MODEL_DIR)/config.json
 
-test: all
+test: all venv-verl
 	$(PY) -m pytest -q
+	$(VERL_VENV)/bin/python -m pytest -q -m verl tests/trainer_bridge
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not slow"
@@ -53,4 +65,4 @@ bench: venv
 	$(PY) bench/bench_memory.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .cache

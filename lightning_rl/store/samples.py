@@ -6,8 +6,10 @@
   prompt + response as an exact token prefix; the tokens in between (tool results, user turns,
   template glue) join the response with mask 0 and logprob 0.0. A call whose prompt breaks the
   prefix starts a new sample; the break is counted in ``SampleStats.splits``. The merged sample's
-  ``reward`` is the credited reward of its last call; ``token_rewards`` holds every merged call's
-  credited reward at that call's last generated token (0.0 elsewhere).
+  ``reward`` is the credited reward of its last call (what trainers place on the last token).
+  ``token_rewards`` holds every merged call's credited reward at that call's last generated token
+  (0.0 elsewhere), for per-turn analysis. These are credited values, not per-step rewards: under
+  ``final`` credit every call holds the same reward, so they must not be summed into a return.
 
 Calls without engine token ids are never turned into samples (re-tokenized text is not what the
 model produced); they are counted in ``SampleStats.missing_token_ids``.

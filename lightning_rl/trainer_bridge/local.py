@@ -78,9 +78,7 @@ def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
         r = len(s.response_ids)
         response_mask[i, :r] = torch.tensor(s.response_mask, dtype=torch.float32)
         response_valid[i, :r] = 1
-        if s.token_rewards is not None and len(s.token_rewards) == r:
-            rewards[i, :r] = torch.tensor(s.token_rewards)
-        elif r:
+        if r:  # the scalar reward at the last response token (token_rewards are credited values, not summable)
             rewards[i, r - 1] = float(s.reward or 0.0)
         if engine is not None:
             engine[i, :r] = torch.tensor(s.rollout_logprobs)

@@ -69,6 +69,7 @@ def test_unknown_names_list_known():
         get_policy_loss("magic")
 
 
+@pytest.mark.verl
 def test_equal_to_verl_core_algos():
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     rewards, mask, index, log_prob, old_log_prob = _batch()
