@@ -44,6 +44,7 @@ class LocalConfig:
     micro_batch_size: int = 32
     temperature: float = 1.0
     max_grad_norm: float = 1.0
+    dtype: str = "float32"  # "bfloat16" on a GPU
     adv_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,7 +101,10 @@ class LocalBackend:
         self.config = config or LocalConfig()
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        dtype = getattr(torch, self.config.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigurationError(f"dtype {self.config.dtype!r} is not a torch dtype; use float32 or bfloat16")
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         self.pad_token_id = AutoTokenizer.from_pretrained(str(model_dir)).pad_token_id or 0
         lora = peft.LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha, lora_dropout=0.0,
                                target_modules=list(self.config.target_modules))

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# For a lent GPU machine (no internet there, 64 MiB carried per call): PyTorch, transformers and peft
+# are already installed there; the model is created on the machine. Prints JSON lines to stdout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch, peft, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" >&2
+pip install --no-deps --no-index -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+python bench/gpu_train_step.py --prompt 1024 --response 1024 --batch 16 --micro-batch 4
+python bench/gpu_train_step.py --prompt 2048 --response 2048 --batch 8 --micro-batch 2
