@@ -22,7 +22,6 @@ import os
 import random
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
 import time
-import uuid
 
 from ..records import Mode, QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Sample, Span, Trajectory
 from . import task_queue

@@ -6,7 +6,6 @@ import hashlib
 import multiprocessing as mp
 import sqlite3
 import threading
-import time
 
 import pytest
 
