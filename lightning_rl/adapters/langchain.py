@@ -22,6 +22,7 @@ reach the agent.
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -52,6 +53,22 @@ def _text(value: Any) -> str:
     content = getattr(value, "content", value)
     text = content if isinstance(content, str) else orjson.dumps(content, default=repr).decode()
     return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
+
+
+def _never_raises(cause: str):
+    """Handler methods log and count their failures (once per cause) instead of raising into the agent."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def safe(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                method(self, *args, **kwargs)
+            except Exception as exc:
+                report_failure(cause, exc)
+
+        return safe
+
+    return wrap
 
 
 @dataclass(slots=True, eq=False)
@@ -102,86 +119,74 @@ class LightningRLCallbackHandler(BaseCallbackHandler):
         run.span.end()
 
     # -- chains, agents, graph nodes --------------------------------------------------------------
+    @_never_raises("langchain chain start")
     def on_chain_start(self, serialized: dict[str, Any] | None, inputs: Any, *, run_id: UUID,
                        parent_run_id: UUID | None = None, tags: list[str] | None = None,
                        metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
         state = _rollout.get()
         if state is None:
             return
-        try:
-            metadata = metadata or {}
-            parent = self._parent(parent_run_id)
-            name = kwargs.get("name") or (serialized or {}).get("name") or "chain"
-            agent = metadata.get("lc_agent_name")
-            node = metadata.get("langgraph_node")
-            inherited = parent.agent if parent is not None else None
-            span = None
-            if parent is None or (agent and agent != inherited):
-                op = semconv.OP_INVOKE_AGENT if agent else "invoke_workflow"
-                attrs = {semconv.GEN_AI_OPERATION_NAME: op}
-                if agent:
-                    attrs[semconv.GEN_AI_AGENT_NAME] = agent
-                span = self._start_span(f"{op} {agent or name}", parent, attrs)
-            elif node and name == node:
-                attrs = {semconv.LANGGRAPH_NODE: node}
-                if agent or inherited:
-                    attrs[semconv.GEN_AI_AGENT_NAME] = agent or inherited
-                span = self._start_span(node, parent, attrs)
-            with self._lock:
-                self._runs[run_id] = _Run(span, parent, agent or inherited, state.rollout_id)
-        except Exception as exc:
-            report_failure("langchain chain start", exc)
+        metadata = metadata or {}
+        parent = self._parent(parent_run_id)
+        name = kwargs.get("name") or (serialized or {}).get("name") or "chain"
+        agent = metadata.get("lc_agent_name")
+        node = metadata.get("langgraph_node")
+        inherited = parent.agent if parent is not None else None
+        span = None
+        if parent is None or (agent and agent != inherited):
+            op = semconv.OP_INVOKE_AGENT if agent else "invoke_workflow"
+            attrs = {semconv.GEN_AI_OPERATION_NAME: op}
+            if agent:
+                attrs[semconv.GEN_AI_AGENT_NAME] = agent
+            span = self._start_span(f"{op} {agent or name}", parent, attrs)
+        elif node and name == node:
+            attrs = {semconv.LANGGRAPH_NODE: node}
+            if agent or inherited:
+                attrs[semconv.GEN_AI_AGENT_NAME] = agent or inherited
+            span = self._start_span(node, parent, attrs)
+        with self._lock:
+            self._runs[run_id] = _Run(span, parent, agent or inherited, state.rollout_id)
 
+    @_never_raises("langchain chain end")
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        try:
-            self._end(run_id)
-        except Exception as exc:
-            report_failure("langchain chain end", exc)
+        self._end(run_id)
 
+    @_never_raises("langchain chain error")
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        try:
-            self._end(run_id, error=error)
-        except Exception as exc:
-            report_failure("langchain chain error", exc)
+        self._end(run_id, error=error)
 
     # -- tools --------------------------------------------------------------------------------------
+    @_never_raises("langchain tool start")
     def on_tool_start(self, serialized: dict[str, Any] | None, input_str: str, *, run_id: UUID,
                       parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
                       inputs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         state = _rollout.get()
         if state is None:
             return
-        try:
-            parent = self._parent(parent_run_id)
-            tool = (serialized or {}).get("name") or kwargs.get("name") or "tool"
-            attrs: dict[str, Any] = {
-                semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL,
-                semconv.GEN_AI_TOOL_NAME: tool,
-                semconv.TOOL_ARGUMENTS: _text(inputs if inputs is not None else input_str),
-            }
-            call_id = kwargs.get("tool_call_id")
-            if call_id:
-                attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
-            agent = (metadata or {}).get("lc_agent_name") or (parent.agent if parent else None) or current_agent_name()
-            if agent:
-                attrs[semconv.GEN_AI_AGENT_NAME] = agent
-            span = self._start_span(f"execute_tool {tool}", parent, attrs)
-            with self._lock:
-                self._runs[run_id] = _Run(span, parent, agent, state.rollout_id)
-        except Exception as exc:
-            report_failure("langchain tool start", exc)
+        parent = self._parent(parent_run_id)
+        tool = (serialized or {}).get("name") or kwargs.get("name") or "tool"
+        attrs: dict[str, Any] = {
+            semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL,
+            semconv.GEN_AI_TOOL_NAME: tool,
+            semconv.TOOL_ARGUMENTS: _text(inputs if inputs is not None else input_str),
+        }
+        call_id = kwargs.get("tool_call_id")
+        if call_id:
+            attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
+        agent = (metadata or {}).get("lc_agent_name") or (parent.agent if parent else None) or current_agent_name()
+        if agent:
+            attrs[semconv.GEN_AI_AGENT_NAME] = agent
+        span = self._start_span(f"execute_tool {tool}", parent, attrs)
+        with self._lock:
+            self._runs[run_id] = _Run(span, parent, agent, state.rollout_id)
 
+    @_never_raises("langchain tool end")
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        try:
-            self._end(run_id, result=output)
-        except Exception as exc:
-            report_failure("langchain tool end", exc)
+        self._end(run_id, result=output)
 
+    @_never_raises("langchain tool error")
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        try:
-            self._end(run_id, error=error)
-        except Exception as exc:
-            report_failure("langchain tool error", exc)
+        self._end(run_id, error=error)
 
     # -- models -------------------------------------------------------------------------------------
     def _model_start(self, run_id: UUID, parent_run_id: UUID | None, metadata: dict[str, Any] | None) -> None:
@@ -198,35 +203,27 @@ class LightningRLCallbackHandler(BaseCallbackHandler):
             self._hints[run_id] = hint
         set_llm_hint(hint)
 
+    @_never_raises("langchain model start")
     def on_chat_model_start(self, serialized: dict[str, Any] | None, messages: Any, *, run_id: UUID,
                             parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
                             **kwargs: Any) -> None:
-        try:
-            self._model_start(run_id, parent_run_id, metadata)
-        except Exception as exc:
-            report_failure("langchain model start", exc)
+        self._model_start(run_id, parent_run_id, metadata)
 
+    @_never_raises("langchain model start")
     def on_llm_start(self, serialized: dict[str, Any] | None, prompts: list[str], *, run_id: UUID,
                      parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
                      **kwargs: Any) -> None:
-        try:
-            self._model_start(run_id, parent_run_id, metadata)
-        except Exception as exc:
-            report_failure("langchain model start", exc)
+        self._model_start(run_id, parent_run_id, metadata)
 
+    @_never_raises("langchain model end")
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        try:
-            hint, run = self._model_end(run_id)
-            if hint is not None and hint.recorded == 0 and _rollout.get() is not None:
-                self._record_unseen_call(hint, run, response)
-        except Exception as exc:
-            report_failure("langchain model end", exc)
+        hint, run = self._model_end(run_id)
+        if hint is not None and hint.recorded == 0 and _rollout.get() is not None:
+            self._record_unseen_call(hint, run, response)
 
+    @_never_raises("langchain model error")
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        try:
-            self._model_end(run_id)
-        except Exception as exc:
-            report_failure("langchain model error", exc)
+        self._model_end(run_id)
 
     def _model_end(self, run_id: UUID) -> tuple[LLMHint | None, _Run | None]:
         with self._lock:
