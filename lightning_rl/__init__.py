@@ -33,7 +33,7 @@ from .records import (
     Trajectory,
 )
 from .store import InMemoryStore, SQLiteStore, Store, register_credit
-from .tracer import agent_scope, current_rollout_id, emit_reward, rollout_overrides, tool_span, trace
+from .tracer import agent_scope, current_endpoint, current_rollout_id, emit_reward, rollout_overrides, tool_span, trace
 
 __version__ = "0.1.0"
 
@@ -67,6 +67,7 @@ __all__ = [
     "__version__",
     "agent_scope",
     "configure",
+    "current_endpoint",
     "current_rollout_id",
     "emit_reward",
     "flush",

@@ -43,14 +43,16 @@ from .diagnostics import report_failure
 from .provider import agent_span, parent_context, tracing
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
-_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout"})
+_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout", "endpoint"})
 
 
 @contextlib.contextmanager
 def rollout_overrides(**values: Any) -> Iterator[None]:
     """Set fields of the next rollout(s) started in this context: ``rollout_id``, ``group_id``,
-    ``attempt``, ``mode``, ``task``, and ``timeout`` (seconds; async agents: the rollout ends
-    ``timed_out`` when it is exceeded). Runners use it; users can use it to choose a rollout id."""
+    ``attempt``, ``mode``, ``task``, ``timeout`` (seconds; async agents: the rollout ends
+    ``timed_out`` when it is exceeded) and ``endpoint`` (``(base_url, model)`` the agent should
+    call, read with ``current_endpoint()``; set by trainers that choose the server, e.g. verl).
+    Runners use it; users can use it to choose a rollout id."""
     unknown = set(values) - _OVERRIDE_KEYS
     if unknown:
         from ..errors import ConfigurationError
@@ -316,6 +318,14 @@ def _nested(opts: _Options) -> Iterator[None]:
     finally:
         if token is not None:
             _agent.reset(token)
+
+
+def current_endpoint() -> tuple[str, str] | None:
+    """``(base_url, model)`` that the runner or trainer chose for this rollout (verl picks its own
+    vLLM server per request), or None: then the agent calls what it was configured with."""
+    overrides = _overrides.get()
+    endpoint = overrides.get("endpoint") if overrides else None
+    return tuple(endpoint) if endpoint else None
 
 
 def current_rollout_id() -> str | None:

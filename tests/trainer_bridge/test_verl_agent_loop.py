@@ -1,0 +1,47 @@
+"""verl's agent-loop interface driving a traced agent against the real vLLM server (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.verl, pytest.mark.vllm]
+pytest.importorskip("verl")
+loop_module = pytest.importorskip("lightning_rl.trainer_bridge.verl_agent_loop")
+
+from ..conftest import ensure_tiny_model  # noqa: E402
+
+
+def _loop(vllm_url, tmp_path, agent="tests.trainer_bridge.verl_agents:two_turn_solver"):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    model = str(ensure_tiny_model())
+    config = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": 256}, "model": {"path": model}},
+        "lightning_rl": {"agent": agent, "store": f"sqlite:///{tmp_path / 'verl.db'}", "server_url": vllm_url,
+                         "model": "tiny"},
+    })
+    return loop_module.LightningRLAgentLoop(DictConfigWrap(config), None, AutoTokenizer.from_pretrained(model), None,
+                                            RLHFDataset, DictConfigWrap(OmegaConf.create({})), hf_model_type="qwen2")
+
+
+async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(vllm_url, tmp_path):
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    assert _agent_loop_registry["lightning_rl"]["_target_"].endswith("LightningRLAgentLoop")
+    loop = _loop(vllm_url, tmp_path)
+    out = await loop.run({}, raw_prompt=[{"role": "user", "content": "What is 12+30?"}],
+                         extra_info={"task": {"question": "What is 12+30?"}}, uid="group-1")
+    rollout_id = out.extra_fields["rollout_id"]
+    traj = loop.store.trajectory(rollout_id)
+    first, second = traj.llm_calls
+    assert traj.group_id == "group-1" and traj.status == "succeeded"
+    assert out.prompt_ids == first.prompt_token_ids  # the engine's ids, token in / token out
+    generated = len(first.response_token_ids) + len(second.response_token_ids)
+    assert sum(out.response_mask) == generated and len(out.response_ids) == len(out.response_mask)
+    observation = len(second.prompt_token_ids) - len(first.prompt_token_ids) - len(first.response_token_ids)
+    assert out.response_mask.count(0) == observation > 0  # the user/tool turn is masked out
+    assert len(out.response_logprobs) == len(out.response_ids)
+    assert out.reward_score == traj.final_reward and out.extra_fields["prefix_splits"] == 0
