@@ -164,29 +164,59 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
     )
 
 
-@main.command("train")
-@click.option("--continuous", is_flag=True, required=True,
-              help="Train from production rollouts (mode prod) as rewards arrive.")
+@main.command("train", context_settings={"ignore_unknown_options": True})
+@click.option("--backend", type=click.Choice(["local", "verl"]), default="local", show_default=True)
+@click.option("--continuous", is_flag=True, help="local: train from production rollouts (mode prod) as rewards arrive.")
+@click.option("--agent", default=None, help="verl: module:function of the traced agent.")
+@click.option("--print-command", is_flag=True, help="verl: print the verl command instead of running it.")
 @click.option("--store", default=None, help=STORE_HELP)
-@click.option("--model-dir", required=True, help="The served base model (a Hugging Face directory).")
-@click.option("--server-url", required=True, help="The vLLM server (started with --enable-lora).")
-@click.option("--served-name", default="policy", show_default=True, help="The LoRA name agents call.")
-@click.option("--out", default=".cache/continuous", show_default=True, help="Adapters, state and metrics.")
-@click.option("--min-new", type=int, default=32, show_default=True, help="Fresh rewarded rollouts per update.")
-@click.option("--max-policy-lag", type=int, default=2, show_default=True, help="Drop rollouts older than this.")
-@click.option("--reward-name", default="reward", show_default=True, help="e.g. user_feedback.")
+@click.option("--model-dir", default=None, help="local: the served base model (a Hugging Face directory).")
+@click.option("--server-url", default=None, help="local: the vLLM server (started with --enable-lora).")
+@click.option("--served-name", default="policy", show_default=True, help="local: the LoRA name agents call.")
+@click.option("--out", default=".cache/continuous", show_default=True, help="local: adapters, state and metrics.")
+@click.option("--min-new", type=int, default=32, show_default=True, help="local: fresh rewarded rollouts per update.")
+@click.option("--max-policy-lag", type=int, default=2, show_default=True, help="local: drop rollouts older than this.")
+@click.option("--reward-name", default="reward", show_default=True, help="local: e.g. user_feedback.")
 @click.option("--lr", type=float, default=2e-4, show_default=True)
-@click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between checks.")
-@click.option("--max-updates", type=int, default=None, help="Stop after N updates (default: run forever).")
+@click.option("--interval", type=float, default=10.0, show_default=True, help="local: seconds between checks.")
+@click.option("--max-updates", type=int, default=None, help="local: stop after N updates (default: run forever).")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @_errors
-def train(continuous, store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
-          interval, max_updates) -> None:
-    """Keep improving the served model from production traffic and late feedback.
+def train(backend, continuous, agent, print_command, store, model_dir, server_url, served_name, out, min_new,
+          max_policy_lag, reward_name, lr, interval, max_updates, overrides) -> None:
+    """Train the served model: continuously from production traffic (local), or with verl.
 
-    Example: lightning-rl train --continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --min-new 64
+    Example: lightning-rl train --continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000
 
-    Training over a task set is Python (Trainer.fit; see examples/calculator_rl/train.py).
+    Example: lightning-rl train --backend verl --agent my_pkg.agents:solve data.train_files=tasks.parquet trainer.n_gpus_per_node=8
+
+    Training over a task set on one machine is Python (Trainer.fit; see examples/calculator_rl/train.py).
     """
+    from .errors import ConfigurationError
+
+    if backend == "verl":
+        import os
+        import subprocess
+
+        from .trainer_bridge.verl_launch import check_verl_version, check_vllm_version, verl_command
+
+        if not agent:
+            raise ConfigurationError("--backend verl needs --agent module:function (an importable traced agent)")
+        command = verl_command(agent, overrides, store=store)
+        if print_command:
+            click.echo(" ".join(command))
+            return
+        check_verl_version()
+        check_vllm_version()
+        raise SystemExit(subprocess.call(command, env=os.environ.copy()))
+    if overrides:
+        raise ConfigurationError(f"unexpected arguments {list(overrides)!r}; Hydra overrides go with --backend verl")
+    if not continuous:
+        raise ConfigurationError(
+            "the local backend trains from the command line in --continuous mode; train over a task set with "
+            "Trainer.fit in Python (examples/calculator_rl/train.py)")
+    if not model_dir or not server_url:
+        raise ConfigurationError("--continuous needs --model-dir and --server-url")
     from .trainer_bridge.continuous import ContinuousTrainer
     from .trainer_bridge.local import LocalConfig
 

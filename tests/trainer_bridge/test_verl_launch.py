@@ -1,0 +1,54 @@
+"""`lightning-rl train --backend verl`: version range, the command, and our Hydra config composed with verl's."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import lightning_rl as lrl
+from lightning_rl.cli import main
+from lightning_rl.trainer_bridge.verl_launch import CONFIG_DIR, CONFIG_NAME, check_verl_version, verl_command
+
+
+def test_version_range_is_named_in_the_error():
+    assert check_verl_version("0.9.1") == "0.9.1"
+    for bad in ("0.8.0", "0.10.0.dev0", "1.0"):
+        with pytest.raises(lrl.ConfigurationError, match=r"supports verl>=0.9,<0.10.*pip install 'verl>=0.9,<0.10'"):
+            check_verl_version(bad)
+
+
+def test_vllm_version_range():
+    from lightning_rl.trainer_bridge.verl_launch import check_vllm_version
+
+    assert check_vllm_version("0.20.2") == "0.20.2"
+    with pytest.raises(lrl.ConfigurationError, match=r"needs vllm>=0.18"):
+        check_vllm_version("0.12.0")
+
+
+def test_print_command_passes_agent_config_and_overrides():
+    result = CliRunner().invoke(main, ["train", "--backend", "verl", "--agent", "pkg.agents:solve", "--print-command",
+                                       "--store", "sqlite:////shared/runs.db", "trainer.n_gpus_per_node=8"])
+    assert result.exit_code == 0, result.output
+    assert "-m verl.trainer.main_ppo" in result.output and f"--config-name {CONFIG_NAME}" in result.output
+    assert "lightning_rl.agent=pkg.agents:solve" in result.output and result.output.strip().endswith("trainer.n_gpus_per_node=8")
+    assert "lightning_rl.store=sqlite:////shared/runs.db" in result.output
+    bad = CliRunner().invoke(main, ["train", "--backend", "verl", "--agent", "no_colon"])
+    assert bad.exit_code == 1 and "module:function" in bad.output
+
+
+@pytest.mark.verl
+def test_packaged_config_composes_with_verls_own_trainer_config():
+    pytest.importorskip("verl")
+    from hydra import compose, initialize_config_dir
+
+    command = verl_command("tests.trainer_bridge.verl_agents:two_turn_solver")
+    overrides = [arg for arg in command if "=" in arg and not arg.startswith("--")]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(CONFIG_NAME, overrides=overrides)
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.algorithm.rollout_correction.rollout_is == "token"
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.agent.default_agent_loop == "lightning_rl" and rollout.calculate_log_probs is True
+    assert rollout.agent.agent_loop_config_path.endswith("agent_loops.yaml")
+    assert cfg.lightning_rl.agent == "tests.trainer_bridge.verl_agents:two_turn_solver"
+    assert "data" in cfg and "trainer" in cfg  # the rest is verl's own ppo_trainer
