@@ -98,9 +98,13 @@ class ContinuousTrainer:
         seen = set(self.state["used"]) | set(self.state["dropped"])
         fresh: list[Trajectory] = []
         dropped = 0
-        for traj in self.store.trajectories(mode="prod", status="succeeded", reward_name=self.reward_name,
-                                            credit=self.credit):
-            if traj.rollout_id in seen or traj.final_reward is None:
+        # Filter on the rollouts table first: only unseen rollouts are assembled (spans read and
+        # parsed), so a check costs what is new, not the store's whole history.
+        for rollout in self.store.rollouts(mode="prod", status="succeeded"):
+            if rollout.rollout_id in seen:
+                continue
+            traj = self.store.trajectory(rollout.rollout_id, credit=self.credit, reward_name=self.reward_name)
+            if traj.final_reward is None:
                 continue
             if self.version - self.served_version(traj) > self.max_policy_lag:
                 self.state["dropped"].append(traj.rollout_id)

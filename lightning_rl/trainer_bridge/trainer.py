@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, UnknownNameError
-from ..records import RolloutStatus, Sample
+from ..records import RolloutStatus, Sample, Trajectory
 from ..store.base import Store
 from ..store.samples import trajectory_samples
 from .local import LocalBackend, LocalConfig
@@ -115,11 +115,10 @@ class Trainer:
                    if e.outcome == RolloutStatus.SUCCEEDED else 0.0 for e in entries]
         return sum(rewards) / max(1, len(rewards))
 
-    def samples_of(self, rollout_ids: Sequence[str]) -> list[Sample]:
+    def samples_of(self, trajectories: Sequence[Trajectory]) -> list[Sample]:
         out: list[Sample] = []
-        for rid in rollout_ids:
-            samples, _ = trajectory_samples(self.store.trajectory(rid, credit=self.credit), level=self.level,
-                                            agents=self.agents)
+        for traj in trajectories:
+            samples, _ = trajectory_samples(traj, level=self.level, agents=self.agents)
             out += [s for s in samples if s.reward is not None]
         return out
 
@@ -140,8 +139,11 @@ class Trainer:
             batch = [self.tasks[self._rng.randrange(len(self.tasks))] for _ in range(self.tasks_per_step)]
             groups = self._run_groups(self.agent, batch, self.n, "train", f"rollouts step {step + 1}")
             rollout_ids, counts = self._outcomes(groups)
-            samples = self.samples_of(rollout_ids)
-            line: dict[str, Any] = {"step": step + 1, "outcomes": counts, "train_reward": _mean_reward(self.store, rollout_ids)}
+            trajectories = [self.store.trajectory(r, credit=self.credit) for r in rollout_ids]  # assembled once
+            samples = self.samples_of(trajectories)
+            rewards = [t.final_reward or 0.0 for t in trajectories]
+            line: dict[str, Any] = {"step": step + 1, "outcomes": counts,
+                                    "train_reward": sum(rewards) / max(1, len(rewards))}
             if samples:
                 line.update(backend.update(samples))
                 publisher.publish(backend.model, step + 1)
@@ -164,11 +166,6 @@ class Trainer:
         history.append(line)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-def _mean_reward(store: Store, rollout_ids: Sequence[str]) -> float:
-    rewards = [store.trajectory(r).final_reward or 0.0 for r in rollout_ids]
-    return sum(rewards) / max(1, len(rewards))
 
 
 class _NoBar:
