@@ -9,14 +9,14 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl model test test-fast demo demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer model test test-fast demo demo-spine bench clean
 
 all: venv venv-vllm model
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local,server]'
 	touch $@
 venv: $(VENV)/.stamp
 
@@ -37,9 +37,14 @@ venv-vllm: $(VLLM_VENV)/.stamp
 $(VERL_VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
-	$(VERL_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,verl]'
+	$(VERL_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,verl,server]'
 	touch $@
 venv-verl: $(VERL_VENV)/.stamp
+
+# The peer (Agent Lightning 0.3.0) in its own environment, only for `make bench`'s side-by-side.
+.venv-peer/.stamp: constraints-peer.txt scripts/make_peer_venv.sh
+	PYTHON=$(PYTHON) scripts/make_peer_venv.sh .venv-peer
+venv-peer: .venv-peer/.stamp
 
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) --layers 4 --warm-start-steps 1200
@@ -58,11 +63,12 @@ demo: all
 demo-spine: all
 	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
 
-bench: venv
+bench: venv venv-peer
+	$(PY) bench/bench_store_server.py --peer-python .venv-peer/bin/python --json-out .cache/bench-store-server.json
 	$(PY) bench/bench_span_cost.py
 	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
 	$(PY) bench/bench_store_ingest.py
 	$(PY) bench/bench_memory.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache

@@ -230,6 +230,81 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
     trainer.run(interval=interval, max_updates=max_updates)
 
 
+@main.group("store")
+def store_group() -> None:
+    """Serve a store over HTTP for many runner processes and machines."""
+
+
+@store_group.command("serve")
+@click.option("--db", default="lightning_rl.db", show_default=True, help="The SQLite store file to serve.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --token.")
+@click.option("--port", type=int, default=8765, show_default=True)
+@click.option("--token", envvar="LIGHTNING_RL_STORE_TOKEN", default=None,
+              help="Bearer token clients must send (default: $LIGHTNING_RL_STORE_TOKEN).")
+@click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
+@click.option("--workers", type=int, default=1, show_default=True,
+              help="Server processes on the port (they parse in parallel and share the SQLite file).")
+@click.option("--log-level", default="warning", show_default=True)
+@_errors
+def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: float, workers: int,
+                log_level: str) -> None:
+    """Serve the store file over HTTP; clients set LIGHTNING_RL_STORE=http://HOST:PORT.
+
+    Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --port 8765 --token $TOKEN
+    """
+    from .store.server import check_bind, serve
+
+    check_bind(host, token)
+    click.echo(f"serving {db} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
+    serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
+          workers=workers)
+
+
+@store_group.command("openapi")
+def store_openapi() -> None:
+    """Print the store server's OpenAPI document (JSON).
+
+    Example: lightning-rl store openapi > store-openapi.json
+    """
+    from .store.server import openapi_schema
+
+    click.echo(openapi_schema())
+
+
+@main.command("runner")
+@click.option("--agent", required=True, help="module:function of the traced agent to run on leased tasks.")
+@click.option("--store", default=None, help=STORE_HELP + " Usually http://HOST:PORT of a store server.")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Tries run at once.")
+@click.option("--lease-seconds", type=float, default=60.0, show_default=True,
+              help="A try not heartbeaten for this long is given to another runner.")
+@click.option("--rollout-timeout", type=float, default=120.0, show_default=True)
+@click.option("--runner-id", default=None, help="Name in the queue (default: runner-PID-random).")
+@click.option("--idle-exit", type=float, default=None, help="Exit after this many seconds with nothing to do.")
+@click.option("--max-rollouts", type=int, default=None, help="Exit after running this many tries.")
+@_errors
+def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id, idle_exit, max_rollouts) -> None:
+    """Run tries of the store's task queue with a traced agent, until stopped.
+
+    Example: LIGHTNING_RL_STORE=http://10.0.0.5:8765 lightning-rl runner --agent my_pkg.agents:solve
+    """
+    import signal
+
+    from ._api import configure
+    from .trainer_bridge.runner import Runner, load_agent
+
+    opened = configure(store=store) if store else configure()
+    worker = Runner(opened, load_agent(agent), runner_id=runner_id, concurrency=concurrency,
+                    lease_seconds=lease_seconds, rollout_timeout=rollout_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    click.echo(f"{worker.runner_id}: running {agent} on tasks from {opened.url}", err=True)
+    with worker:
+        ran = worker.serve(idle_exit=idle_exit, max_rollouts=max_rollouts)
+    opened.flush()
+    click.echo(f"{worker.runner_id}: ran {ran} tries", err=True)
+
+
 @main.command("plot")
 @click.argument("metrics", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--out", default="reward.png", show_default=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from enum import StrEnum
 from typing import Any
 
@@ -123,6 +124,8 @@ class Reward(_Record):
     agent: str | None = None
     source: RewardSource = RewardSource.EMITTED
     time: float = Field(default_factory=time.time)
+    #: Idempotency key: a reward sent twice (a retried HTTP batch, a replayed spill file) is stored once.
+    uid: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=128)
 
     @field_validator("value", mode="before")
     @classmethod

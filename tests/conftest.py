@@ -23,9 +23,19 @@ MODEL_DIR = ROOT / ".cache" / "tiny-qwen2"
 SERVED_NAME = "tiny"
 
 
-@pytest.fixture(params=["sqlite", "memory"])
+@pytest.fixture(params=["sqlite", "memory", "http"])
 def store(request, tmp_path):
-    """Each store implementation, fresh (the shared contract runs against both)."""
+    """Each store implementation, fresh (the shared contract runs against all three; ``http`` is
+    the HTTP client talking to a real store server on a loopback port, over a SQLite file)."""
+    if request.param == "http":
+        from lightning_rl.store.http_store import HttpStore
+        from lightning_rl.store.server import BackgroundServer
+
+        with BackgroundServer(tmp_path / "served.db") as server:
+            s = HttpStore(server.url, spill_dir=tmp_path / "spill", retry_for=5.0)
+            yield s
+            s.close()
+        return
     s = SQLiteStore(tmp_path / "runs.db") if request.param == "sqlite" else InMemoryStore()
     yield s
     s.close()

@@ -7,7 +7,7 @@ everything users call is written once here, so every store behaves the same.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
@@ -53,6 +53,11 @@ class Store:
         raise NotImplementedError
 
     def _queue_txn(self, fn):  # fn(view: task_queue.QueueView) -> T, run atomically
+        raise NotImplementedError
+
+    def write_batch(self, items: list[tuple[str, Any]]) -> None:
+        """Write validated items (``rollout``, ``span_values``, ``reward``, ``finish``) idempotently;
+        durable on return. The store server's write path."""
         raise NotImplementedError
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -108,6 +113,17 @@ class Store:
         self.get_rollout(rollout_id)
         return self._get_rewards(rollout_id)
 
+    def existing_rollout_ids(self, rollout_ids: Iterable[str]) -> set[str]:
+        return {rid for rid in rollout_ids if self._get_rollout(rid) is not None}
+
+    def rollout_data(self, rollout_ids: Sequence[str]) -> list[tuple[Rollout, list[Span], list[Reward]]]:
+        """Each rollout with its spans and rewards (unknown ids raise :class:`RolloutNotFoundError`)."""
+        return list(self._with_data([self.get_rollout(rid) for rid in rollout_ids]))
+
+    def _with_data(self, rollouts: Iterable[Rollout]) -> Iterator[tuple[Rollout, list[Span], list[Reward]]]:
+        for rollout in rollouts:
+            yield rollout, self._get_spans(rollout.rollout_id), self._get_rewards(rollout.rollout_id)
+
     def add_reward(
         self,
         rollout_id: str,
@@ -117,14 +133,16 @@ class Store:
         llm_call_index: int | None = None,
         agent: str | None = None,
         source: str | RewardSource = RewardSource.FEEDBACK,
+        uid: str | None = None,
     ) -> Reward:
-        """Attach a reward to a rollout, also long after it ended (user feedback). Durable on return."""
+        """Attach a reward to a rollout, also long after it ended (user feedback). Durable on return.
+        Give ``uid`` to make a retried call idempotent (the same uid is stored once)."""
         value = check_reward(value, what=f"reward {name!r}")
         self.flush()  # a rollout that just finished in this process must be visible
         self.get_rollout(rollout_id)
         reward = Reward(
             rollout_id=rollout_id, value=value, name=name, llm_call_index=llm_call_index,
-            agent=agent, source=RewardSource(source),
+            agent=agent, source=RewardSource(source), **({"uid": uid} if uid else {}),
         )
         self._insert_reward(reward)
         return reward
@@ -150,13 +168,11 @@ class Store:
         **credit_kwargs: Any,
     ) -> Iterator[Trajectory]:
         """Assembled trajectories, oldest first. ``agent`` keeps those in which that agent took part."""
-        for rollout in self.rollouts(
+        rollouts = self.rollouts(
             mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit
-        ):
-            traj = assemble(
-                rollout, self._get_spans(rollout.rollout_id), self._get_rewards(rollout.rollout_id),
-                credit=credit, reward_name=reward_name, **credit_kwargs,
-            )
+        )
+        for rollout, spans, rewards in self._with_data(rollouts):
+            traj = assemble(rollout, spans, rewards, credit=credit, reward_name=reward_name, **credit_kwargs)
             if agent is not None and agent not in traj.agents:
                 continue
             yield traj

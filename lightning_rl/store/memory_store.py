@@ -18,6 +18,7 @@ class InMemoryStore(Store):
         self._rollouts: dict[str, Rollout] = {}
         self._spans: dict[str, dict[int, Span]] = {}
         self._rewards: dict[str, list[Reward]] = {}
+        self._reward_uids: set[str] = set()
         self._queue: dict[str, QueueEntry] = {}
         self._qlock = threading.Lock()
 
@@ -33,6 +34,9 @@ class InMemoryStore(Store):
 
     def write_reward(self, reward: Reward) -> None:
         with self._lock:
+            if reward.uid in self._reward_uids:
+                return
+            self._reward_uids.add(reward.uid)
             self._rewards.setdefault(reward.rollout_id, []).append(reward)
 
     def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
@@ -44,6 +48,17 @@ class InMemoryStore(Store):
             self._rollouts[rollout_id] = rollout.model_copy(
                 update={"status": RolloutStatus(status), "end_time": end_time, "error": error}
             )
+
+    def write_batch(self, items) -> None:
+        for kind, payload in items:
+            if kind == "rollout":
+                self.start_rollout(payload)
+            elif kind == "span_values":
+                self.add_spans([span_from_values(payload)])
+            elif kind == "reward":
+                self.write_reward(payload)
+            elif kind == "finish":
+                self.finish_rollout(*payload)
 
     def add_spans(self, spans: list[Span]) -> None:
         with self._lock:

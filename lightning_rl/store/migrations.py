@@ -86,6 +86,13 @@ def _task_queue(db: sqlite_utils.Database) -> None:
     db["queue"].create_index(["group_id"], index_name="queue_group")
 
 
+@migration(3, "reward uids (idempotent reward writes)")
+def _reward_uids(db: sqlite_utils.Database) -> None:
+    db["rewards"].add_column("uid", str)
+    db.execute("UPDATE rewards SET uid = lower(hex(randomblob(16))) WHERE uid IS NULL")
+    db["rewards"].create_index(["uid"], index_name="rewards_uid", unique=True)
+
+
 def _user_tables(conn: sqlite3.Connection) -> list[str]:
     rows = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")
     return [r[0] for r in rows]

@@ -18,7 +18,7 @@ ROLLOUT_COLUMNS = (
     "rollout_id", "name", "agent", "task", "group_id", "attempt", "mode", "status", "policy_version",
     "start_time", "end_time", "error",
 )
-REWARD_COLUMNS = ("rollout_id", "name", "value", "llm_call_index", "agent", "source", "time")
+REWARD_COLUMNS = ("rollout_id", "name", "value", "llm_call_index", "agent", "source", "time", "uid")
 
 
 def _dumps(value: Any) -> str:
@@ -86,7 +86,7 @@ def rollout_from_values(values: tuple | list) -> Rollout:
 
 
 def reward_values(r: Reward) -> tuple:
-    return (r.rollout_id, r.name, r.value, r.llm_call_index, r.agent, r.source.value, r.time)
+    return (r.rollout_id, r.name, r.value, r.llm_call_index, r.agent, r.source.value, r.time, r.uid)
 
 
 def reward_from_values(values: tuple | list) -> Reward:

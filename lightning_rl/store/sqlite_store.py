@@ -39,7 +39,7 @@ from .writer import BackgroundWriter
 
 _INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
 _INSERT_ROLLOUT = f"INSERT OR IGNORE INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) VALUES ({', '.join('?' * len(ROLLOUT_COLUMNS))})"
-_INSERT_REWARD = f"INSERT INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
+_INSERT_REWARD = f"INSERT OR IGNORE INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
 
 _open_stores: "weakref.WeakSet[SQLiteStore]" = weakref.WeakSet()
 
@@ -129,6 +129,25 @@ class SQLiteStore(Store):
         if self._closed:
             return True
         return self._writer.flush(timeout)
+
+    def write_batch(self, items: list[tuple[str, Any]]) -> None:
+        self._writer.put_many(items)
+        if not self.flush(Settings.from_env().flush_timeout):
+            raise StoreError(f"{len(items)} records are queued but were not confirmed on disk in {self.path!r} in time")
+
+    @property
+    def pending_writes(self) -> int:
+        return self._writer.pending
+
+    def existing_rollout_ids(self, rollout_ids) -> set[str]:
+        ids = list(rollout_ids)
+        found: set[str] = set()
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            rows = self._read(f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({', '.join('?' * len(chunk))})",
+                              tuple(chunk))
+            found.update(r[0] for r in rows)
+        return found
 
     def add_spans(self, spans: list[Span]) -> None:
         """Ingest spans recorded elsewhere (batched, idempotent by (rollout_id, seq)); durable on return."""

@@ -7,11 +7,12 @@ import os
 from ..errors import ConfigurationError
 from .base import Store
 
-SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://")
+SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://", "http(s)://HOST:PORT (lightning-rl store serve)")
 
 
 def open_store(url: str | os.PathLike[str] | None = None) -> Store:
-    """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, or ``memory://``.
+    """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, ``memory://``, or
+    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``).
     Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``."""
     if url is None:
         from ..settings import Settings
@@ -22,6 +23,10 @@ def open_store(url: str | os.PathLike[str] | None = None) -> Store:
         from .memory_store import InMemoryStore
 
         return InMemoryStore()
+    if url.startswith(("http://", "https://")):
+        from .http_store import HttpStore
+
+        return HttpStore(url)
     if url.startswith("sqlite://"):
         path = url[len("sqlite://"):]
         if not path.startswith("/") or path == "/":

@@ -57,6 +57,19 @@ class BackgroundWriter:
             if len(self._buf) == 1:
                 self._not_empty.notify()
 
+    def put_many(self, items: list[tuple[str, Any]]) -> None:
+        """Queue ``items`` together (one wait for room: a batch may overshoot ``maxsize`` once)."""
+        with self._lock:
+            while len(self._buf) >= self._maxsize and not self._closed:
+                count("writer_backpressure_waits")
+                self._not_full.wait()
+            if self._closed:
+                raise RuntimeError(f"{self._name} is closed")
+            was_empty = not self._buf
+            self._buf.extend(items)
+            if was_empty:
+                self._not_empty.notify()
+
     def flush(self, timeout: float | None = None) -> bool:
         if threading.current_thread() is self._thread:
             return True

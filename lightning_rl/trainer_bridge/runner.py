@@ -17,10 +17,12 @@ import asyncio
 import contextvars
 import inspect
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..errors import LightningRLError
 from ..records import QueueEntry, RolloutStatus
 from ..store.base import Store
 from ..tracer import rollout_overrides
@@ -40,6 +42,7 @@ class Runner:
         self.poll = poll
         self.is_async = inspect.iscoroutinefunction(agent)
         self._aio: asyncio.Runner | None = None
+        self._stopping = False
 
     def run_until_done(self, group_ids: Sequence[str], *, on_done: Callable[[QueueEntry, str], None] | None = None) -> None:
         """Lease and run tries until every try of ``group_ids`` is done.
@@ -50,6 +53,51 @@ class Runner:
         if self._aio is None:
             self._aio = asyncio.Runner()
         self._aio.run(self._loop(list(group_ids), on_done))
+
+    def serve(self, *, idle_exit: float | None = None, max_rollouts: int | None = None) -> int:
+        """Lease and run tries from the whole queue until stopped (SIGTERM/SIGINT), idle for
+        ``idle_exit`` seconds, or ``max_rollouts`` done. Returns how many tries it ran. A store that
+        stops answering (a server restart) is waited out: the loop retries, it does not die."""
+        if self._aio is None:
+            self._aio = asyncio.Runner()
+        return self._aio.run(self._serve(idle_exit, max_rollouts))
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    async def _serve(self, idle_exit: float | None, max_rollouts: int | None) -> int:
+        running: set[asyncio.Task] = set()
+        done_count = 0
+        idle_since = time.monotonic()
+        self._stopping = False
+        while True:
+            free = self.concurrency - len(running)
+            if max_rollouts is not None:
+                free = min(free, max_rollouts - done_count - len(running))
+            if free > 0 and not self._stopping:
+                try:
+                    leased = await asyncio.to_thread(self.store.lease, self.runner_id,
+                                                     lease_seconds=self.lease_seconds, limit=free)
+                except LightningRLError as exc:
+                    report_failure("runner lease", exc)
+                    leased = []
+                    await asyncio.sleep(1.0)
+                for entry in leased:
+                    running.add(asyncio.create_task(self._run_one(entry, None)))
+            if running:
+                idle_since = time.monotonic()
+                done, pending = await asyncio.wait(running, timeout=self.poll, return_when=asyncio.FIRST_COMPLETED)
+                running = set(pending)
+                done_count += len(done)
+                for task in done:
+                    if task.exception() is not None:
+                        report_failure("runner task", task.exception())
+                continue
+            if self._stopping or (max_rollouts is not None and done_count >= max_rollouts):
+                return done_count
+            if idle_exit is not None and time.monotonic() - idle_since >= idle_exit:
+                return done_count
+            await asyncio.sleep(self.poll)
 
     def close(self) -> None:
         if self._aio is not None:
@@ -84,7 +132,11 @@ class Runner:
     async def _heartbeat(self, entry: QueueEntry) -> None:
         while True:
             await asyncio.sleep(self.lease_seconds / 3)
-            await asyncio.to_thread(self.store.heartbeat, entry.queue_id, self.runner_id, lease_seconds=self.lease_seconds)
+            try:
+                await asyncio.to_thread(self.store.heartbeat, entry.queue_id, self.runner_id,
+                                        lease_seconds=self.lease_seconds)
+            except LightningRLError as exc:  # the store is away; keep beating, the lease may survive
+                report_failure("runner heartbeat", exc)
 
     async def _run_one(self, entry: QueueEntry, on_done) -> None:
         beat = asyncio.create_task(self._heartbeat(entry))
@@ -123,12 +175,25 @@ def agent_reference(agent: Callable[[Any], Any]) -> str:
 
 
 def load_agent(reference: str) -> Callable[[Any], Any]:
+    """Import ``module:function`` (the current directory is searched too, as ``python -m`` does)."""
     import importlib
+    import sys
+
+    from ..errors import ConfigurationError
 
     module, _, name = reference.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
+    if not module or not name:
+        raise ConfigurationError(f"agent {reference!r} is not module:function (e.g. my_pkg.agents:solve)")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"cannot load agent {reference!r}: {exc}; give an importable module:function") from None
+    if not callable(obj):
+        raise ConfigurationError(f"agent {reference!r} is a {type(obj).__name__}, not a function")
     return obj
 
 
@@ -150,7 +215,7 @@ def run_in_processes(store_url: str, agent: Callable[[Any], Any], group_ids: Seq
     until every try of ``group_ids`` is done. Returns the workers' exit codes."""
     import multiprocessing as mp
 
-    if not store_url.startswith("sqlite:") and "://" in store_url:
+    if not store_url.startswith(("sqlite:", "http:", "https:")) and "://" in store_url:
         from ..errors import ConfigurationError
 
         raise ConfigurationError(f"worker processes need a store they can all open, got {store_url!r}")

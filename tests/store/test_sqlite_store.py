@@ -167,3 +167,30 @@ def test_threads_tracing_concurrently_lose_nothing(tmp_path):
     finally:
         lrl.tracer.tracing.set_sink(previous)
         s.close()
+
+
+def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
+    import sqlite_utils
+
+    from lightning_rl.store.migrations import _MIGRATIONS
+
+    path = tmp_path / "v2.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    db = sqlite_utils.Database(conn)
+    for version in (1, 2):
+        _MIGRATIONS[version][1](db)
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "
+                 "VALUES ('r1', 'a', 0, 'train', 'succeeded', 1.0)")
+    conn.executemany("INSERT INTO rewards (rollout_id, name, value, source, time) VALUES ('r1', ?, ?, 'emitted', 1.0)",
+                     [("reward", 1.0), ("step", 0.5)])
+    conn.close()
+    with SQLiteStore(path) as store:
+        uids = [r.uid for r in store.rewards("r1")]
+        assert [r.value for r in store.rewards("r1")] == [1.0, 0.5] and len(set(uids)) == 2 and all(uids)
+        again = store.add_reward("r1", 2.0, uid=uids[0])  # an existing uid: not stored twice
+        assert again.uid == uids[0] and len(store.rewards("r1")) == 2
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 3
+    conn.close()

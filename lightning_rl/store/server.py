@@ -1,0 +1,426 @@
+"""``lightning-rl store serve``: the store over HTTP, for many runner processes and machines.
+
+FastAPI on uvicorn in front of one :class:`SQLiteStore`. Writes come as batches of idempotent ops
+(``store/wire.py``), are validated completely before anything is written, and are answered once
+durable: concurrent batches share the store's background writer, so they are committed together
+(group commit). The queue, rewards and queries map one to one onto :class:`Store` methods.
+
+* Auth: ``Authorization: Bearer <token>`` on every route but ``/v1/health`` and ``/openapi.json``;
+  a token is required whenever the server binds to anything but loopback.
+* Limits: request bodies over ``max_body_bytes`` get 413 before they are read in full.
+* Errors: 400 malformed JSON, 401 bad or missing token, 404 unknown rollout, 413 too large, 422
+  invalid content (with every problem and its path). Nothing of a refused batch is written.
+"""
+
+from __future__ import annotations
+
+import gc
+import hmac
+import ipaddress
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import anyio
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import TypeAdapter, ValidationError
+
+from ..errors import ConfigurationError, LightningRLError, RolloutNotFoundError, StoreError
+from ..records import QueueEntry, Reward, Rollout, Span
+from ..tracer.diagnostics import counters
+from . import wire
+from .base import Store
+
+DEFAULT_MAX_BODY = 64 * 2**20
+OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+_KNOWN_CACHE = 200_000
+_OP_TAGS = ("start_rollout", "span", "reward", "finish_rollout")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _problem(status: int, error: str, details: list[str] | None = None) -> Response:
+    return _json({"error": error, "details": details or []}, status)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, error: str, details: list[str] | None = None) -> None:
+        super().__init__(error)
+        self.response = _problem(status, error, details)
+
+
+def _validation_details(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors(include_url=False)[:50]:
+        loc = list(err["loc"])
+        if len(loc) >= 3 and loc[0] == "ops" and isinstance(loc[1], int) and loc[2] in _OP_TAGS:
+            # pydantic puts the union's tag in the path: ops.1.span.span.seq -> ops[1] (span op): span.seq
+            where = f"ops[{loc[1]}] ({loc[2]} op): " + ".".join(str(p) for p in loc[3:])
+        else:
+            where = ".".join(str(p) for p in loc) or "body"
+        out.append(f"{where}: {err['msg']}")
+    return out
+
+
+def _parse(adapter: TypeAdapter, body: bytes) -> Any:
+    try:
+        return adapter.validate_json(body, strict=True)
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise _Refused(400, "the request body is not valid JSON",
+                           [e["msg"] for e in exc.errors(include_url=False)[:5]]) from None
+        raise _Refused(422, "the request body does not match the schema (see /openapi.json)",
+                       _validation_details(exc)) from None
+
+
+class _Guard:
+    """ASGI middleware: bearer token and body size, before any route reads the body."""
+
+    def __init__(self, app: Any, token: str | None, max_body: int) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+        self.max_body = max_body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.token is not None and scope["path"] not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+                why = "missing" if not auth else "wrong"
+                resp = _problem(401, f"{why} bearer token; send 'Authorization: Bearer <token>' with the "
+                                     "server's token (LIGHTNING_RL_STORE_TOKEN)")
+                resp.headers["www-authenticate"] = "Bearer"
+                return await resp(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body
+            except ValueError:
+                return await _problem(400, f"bad Content-Length {length[:40]!r}")(scope, receive, send)
+            if too_big:
+                return await self._too_big(scope, receive, send)
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _TooBig(self.max_body)
+            return message
+
+        await self.app(scope, limited_receive, send)  # _TooBig raised while reading: handled by the app
+
+    async def _too_big(self, scope: dict, receive: Any, send: Any) -> None:
+        await _too_big_response(self.max_body)(scope, receive, send)
+
+
+class _TooBig(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
+def _too_big_response(limit: int) -> Response:
+    return _problem(413, f"request body over the server's limit of {limit} bytes; send smaller batches "
+                         f"(the client sends at most {wire.CLIENT_BATCH_OPS} ops per request)")
+
+
+_BODY_DEFS: dict[str, Any] = {}
+
+
+def _body_schema(model: type) -> dict:
+    """The request body of a route that parses its raw body itself (fast path), for the OpenAPI document.
+    Nested models are hoisted into ``components/schemas`` by :func:`_openapi_with_bodies`."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _BODY_DEFS.update(schema.pop("$defs", {}))
+    _BODY_DEFS[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi_with_bodies(app: Any) -> Any:
+    plain = app.openapi
+
+    def openapi() -> dict:
+        doc = plain()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(
+            {k: v for k, v in _BODY_DEFS.items() if k not in doc["components"]["schemas"]})
+        return doc
+
+    return openapi
+
+
+def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> Any:
+    """The ASGI app serving ``store``. ``token``: required bearer token (None: no auth, loopback only)."""
+    app = FastAPI(title="lightning-rl store", version=str(wire.API_PREFIX[2:]),
+                  description="Rollouts, spans, rewards and the task queue of one lightning-rl store.")
+    known: OrderedDict[str, None] = OrderedDict()
+
+    def remember(ids: set[str]) -> None:
+        for rid in ids:
+            known[rid] = None
+            known.move_to_end(rid)
+        while len(known) > _KNOWN_CACHE:
+            known.popitem(last=False)
+
+    def unknown_rollouts(ids: set[str]) -> set[str]:
+        missing = {rid for rid in ids if rid not in known}
+        if missing:
+            found = store.existing_rollout_ids(missing)
+            remember(found)
+            missing -= found
+        return missing
+
+    async def body_of(request: Request, adapter: TypeAdapter) -> Any:
+        return _parse(adapter, await request.body())
+
+    @app.exception_handler(_Refused)
+    async def _refused(request: Request, exc: _Refused) -> Response:
+        return exc.response
+
+    @app.exception_handler(_TooBig)
+    async def _too_big(request: Request, exc: _TooBig) -> Response:
+        return _too_big_response(exc.limit)
+
+    @app.exception_handler(RolloutNotFoundError)
+    async def _not_found(request: Request, exc: RolloutNotFoundError) -> Response:
+        return _problem(404, str(exc))
+
+    @app.exception_handler(LightningRLError)
+    async def _bad_value(request: Request, exc: LightningRLError) -> Response:
+        return _problem(422, str(exc))
+
+    @app.exception_handler(StoreError)
+    async def _store_down(request: Request, exc: StoreError) -> Response:
+        return _problem(503, f"the store could not complete the request: {exc}; retry later")
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, exc: ValidationError) -> Response:
+        return _problem(422, "invalid value", _validation_details(exc))
+
+    p = wire.API_PREFIX
+
+    @app.get(f"{p}/health")
+    async def health() -> dict:
+        return {"ok": True, "store": store.url, "pending_writes": getattr(store, "pending_writes", 0)}
+
+    @app.get(f"{p}/stats")
+    async def server_stats() -> dict:
+        return counters()
+
+    @app.post(f"{p}/batch", response_model=wire.BatchResult, openapi_extra=_body_schema(wire.Batch))
+    async def batch(request: Request) -> Response:
+        """Write ops (start_rollout, span, reward, finish_rollout) atomically and idempotently."""
+        ops = (await body_of(request, wire.BATCH)).ops
+        errors, started, referred = wire.check_ops(ops)
+        if errors:
+            raise _Refused(422, f"{len(errors)} invalid value(s) in the batch; nothing was written", errors)
+        missing = await anyio.to_thread.run_sync(unknown_rollouts, referred - started)
+        if missing:
+            shown = ", ".join(sorted(repr(m) for m in missing)[:10])
+            raise _Refused(422, f"unknown rollout id(s) {shown}; send their start_rollout op first (in this "
+                                "or an earlier batch); nothing was written")
+        await anyio.to_thread.run_sync(store.write_batch, wire.to_store_items(ops))
+        remember(started)
+        return _json({"accepted": len(ops)})
+
+    @app.post(f"{p}/rewards", response_model=Reward, openapi_extra=_body_schema(wire.RewardIn))
+    async def add_reward(request: Request) -> Response:
+        """A late reward (user feedback), durable on return. Idempotent when ``uid`` is given."""
+        data = await body_of(request, TypeAdapter(wire.RewardIn))
+        reward = await anyio.to_thread.run_sync(lambda: store.add_reward(
+            data.rollout_id, data.value, data.name, llm_call_index=data.llm_call_index, agent=data.agent,
+            source=data.source, uid=data.uid))
+        return _json(reward.model_dump(mode="json"))
+
+    @app.get(f"{p}/rollouts", response_model=list[Rollout])
+    async def rollouts(mode: str | None = None, status: str | None = None, since: float | None = None,
+                       min_policy_version: int | None = None, limit: int | None = None,
+                       newest_first: bool = False) -> Response:
+        found = await anyio.to_thread.run_sync(lambda: store.rollouts(
+            mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit,
+            newest_first=newest_first))
+        return _json([r.model_dump(mode="json") for r in found])
+
+    @app.get(f"{p}/rollouts/{{rollout_id}}", response_model=Rollout)
+    async def rollout(rollout_id: str) -> Response:
+        return _json((await anyio.to_thread.run_sync(store.get_rollout, rollout_id)).model_dump(mode="json"))
+
+    @app.get(f"{p}/rollouts/{{rollout_id}}/spans", response_model=list[Span])
+    async def spans(rollout_id: str) -> Response:
+        return _json([s.model_dump(mode="json") for s in await anyio.to_thread.run_sync(store.spans, rollout_id)])
+
+    @app.get(f"{p}/rollouts/{{rollout_id}}/rewards", response_model=list[Reward])
+    async def rewards(rollout_id: str) -> Response:
+        return _json([r.model_dump(mode="json") for r in await anyio.to_thread.run_sync(store.rewards, rollout_id)])
+
+    @app.get(f"{p}/rollouts/{{rollout_id}}/trajectory")
+    async def trajectory(rollout_id: str, credit: str = "final", reward_name: str = "reward") -> Response:
+        """The assembled trajectory with a built-in credit assignment (for clients in other languages)."""
+        traj = await anyio.to_thread.run_sync(lambda: store.trajectory(rollout_id, credit=credit,
+                                                                       reward_name=reward_name))
+        return _json(traj.model_dump(mode="json"))
+
+    @app.post(f"{p}/rollout_data", response_model=list[wire.RolloutData],
+              openapi_extra=_body_schema(wire.RolloutIdsIn))
+    async def rollout_data(request: Request) -> Response:
+        """Rollouts with their spans and rewards, many at once (clients assemble trajectories)."""
+        ids = (await body_of(request, TypeAdapter(wire.RolloutIdsIn))).rollout_ids
+        data = await anyio.to_thread.run_sync(store.rollout_data, ids)
+        return _json([{"rollout": r.model_dump(mode="json"), "spans": [s.model_dump(mode="json") for s in sp],
+                       "rewards": [w.model_dump(mode="json") for w in rw]} for r, sp, rw in data])
+
+    @app.post(f"{p}/queue/enqueue", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.EnqueueIn))
+    async def enqueue(request: Request) -> Response:
+        data = await body_of(request, TypeAdapter(wire.EnqueueIn))
+        entries = await anyio.to_thread.run_sync(lambda: store.enqueue(
+            data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id))
+        return _json([e.model_dump(mode="json") for e in entries])
+
+    @app.post(f"{p}/queue/lease", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.LeaseIn))
+    async def lease(request: Request) -> Response:
+        data = await body_of(request, TypeAdapter(wire.LeaseIn))
+        entries = await anyio.to_thread.run_sync(lambda: store.lease(
+            data.runner, lease_seconds=data.lease_seconds, limit=data.limit))
+        remember({e.rollout_id for e in entries if e.rollout_id})
+        return _json([e.model_dump(mode="json") for e in entries])
+
+    @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=_body_schema(wire.HeartbeatIn))
+    async def heartbeat(request: Request) -> Response:
+        data = await body_of(request, TypeAdapter(wire.HeartbeatIn))
+        ok = await anyio.to_thread.run_sync(lambda: store.heartbeat(
+            data.queue_id, data.runner, lease_seconds=data.lease_seconds))
+        return _json({"ok": ok})
+
+    @app.post(f"{p}/queue/complete", response_model=wire.Ok, openapi_extra=_body_schema(wire.CompleteIn))
+    async def complete(request: Request) -> Response:
+        data = await body_of(request, TypeAdapter(wire.CompleteIn))
+        ok = await anyio.to_thread.run_sync(lambda: store.complete(data.queue_id, data.runner, data.outcome))
+        return _json({"ok": ok})
+
+    @app.post(f"{p}/queue/entries", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.GroupsIn))
+    async def queue_entries(request: Request) -> Response:
+        data = await body_of(request, TypeAdapter(wire.GroupsIn))
+        entries = await anyio.to_thread.run_sync(lambda: store.queue_entries(data.group_ids))
+        return _json([e.model_dump(mode="json") for e in entries])
+
+    app.openapi = _openapi_with_bodies(app)
+    return _Guard(app, token, max_body_bytes), app
+
+
+def check_bind(host: str, token: str | None) -> None:
+    if not token and not is_loopback(host):
+        raise ConfigurationError(
+            f"binding to {host!r} exposes the store beyond this machine; give it a token "
+            "(--token or LIGHTNING_RL_STORE_TOKEN), or bind to 127.0.0.1"
+        )
+
+
+_ENV_WORKER = "_LIGHTNING_RL_SERVER_ARGS"
+
+
+def _worker_app() -> Any:
+    """One worker process's app (uvicorn imports this factory in every worker)."""
+    args = json.loads(os.environ[_ENV_WORKER])
+    from .sqlite_store import SQLiteStore
+
+    _tune_gc()
+    guarded, _ = create_app(SQLiteStore(args["db"]), token=args["token"], max_body_bytes=args["max_body_bytes"])
+    return guarded
+
+
+def _tune_gc() -> None:
+    # A parsed batch is tens of thousands of small containers; with the default thresholds the
+    # collector rescans them many times per batch (measured: 16x the cost of building the rows).
+    # Nothing here makes reference cycles worth collecting that often.
+    gc.set_threshold(50_000, 20, 100)
+
+
+def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 1) -> None:
+    """Run the server until interrupted (SIGINT/SIGTERM); the store is flushed and closed on the way out.
+
+    ``workers`` > 1 runs that many processes on one port, each parsing requests and writing to the
+    same SQLite file (WAL: one write transaction at a time, parsing in parallel)."""
+    import uvicorn
+
+    from .sqlite_store import SQLiteStore
+
+    check_bind(host, token)
+    SQLiteStore(db).close()  # create and migrate once, refusing foreign files before any worker starts
+    os.environ[_ENV_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes})
+    uvicorn.run(f"{__name__}:_worker_app", factory=True, host=host, port=port, workers=workers,
+                log_level=log_level, access_log=False, timeout_graceful_shutdown=10)
+
+
+class BackgroundServer:
+    """The server on a thread of this process (tests, notebooks, one-process set-ups).
+
+    ``with BackgroundServer("runs.db") as srv: open_store(srv.url)``. Port 0 picks a free port."""
+
+    def __init__(self, db: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+        import socket
+
+        import uvicorn
+
+        from .sqlite_store import SQLiteStore
+
+        self.store = SQLiteStore(db)
+        guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(guarded, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="lightning-rl-store-server", daemon=True)
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise StoreError(f"the store server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._socket.close()
+        self.store.close()
+
+
+def openapi_schema() -> str:
+    """The OpenAPI document, without starting a server (``lightning-rl store openapi``)."""
+    from .memory_store import InMemoryStore
+
+    _, app = create_app(InMemoryStore())
+    return json.dumps(app.openapi(), indent=2)
+
+
+__all__ = ["BackgroundServer", "create_app", "serve", "openapi_schema", "is_loopback"]

@@ -1,0 +1,276 @@
+"""The store server's wire format, shared by the server (validation) and the HTTP client (encoding).
+
+A write is a batch of ops, applied in one transaction and idempotent, so a client can retry any
+batch it is unsure about:
+
+* ``start_rollout``: inserted once per ``rollout_id`` (a repeat is ignored);
+* ``span``: one row per ``(rollout_id, seq)`` (a repeat is ignored);
+* ``reward``: one row per ``uid`` (a repeat is ignored);
+* ``finish_rollout``: a status transition (a repeat is refused by the lifecycle rules, harmlessly).
+
+Types are checked strictly (``"5"`` is not an int); :func:`check_ops` adds the rules types cannot
+say (hex ids, token ids, finite log-probs, ...). Every problem is reported with its path in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, Literal, Union
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from .. import semconv as sc
+from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span
+from ..tracer.sink import SpanRow
+from .rows import span_record_values, span_values
+
+API_PREFIX = "/v1"
+#: Ops per request the client sends, and the most the server accepts.
+CLIENT_BATCH_OPS = 500
+MAX_BATCH_OPS = 20_000
+MAX_ID_CHARS = 256
+TOKEN_ID_LIMIT = 2**31  # token ids are non-negative and fit an int32 (every tokenizer's vocab does)
+SPAN_KINDS = ("INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+STATUS_CODES = ("UNSET", "OK", "ERROR")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+_TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+_LogProb = Annotated[float, Field(le=0, allow_inf_nan=False)]
+
+
+def _span_attributes() -> type:
+    """The attributes of a span on the wire: any keys, but the token fields are typed, so that bad
+    token ids are caught while the JSON is parsed (in pydantic-core, not in a Python loop)."""
+    from typing_extensions import TypedDict
+
+    typed = TypedDict("SpanAttributes", {  # type: ignore[misc]
+        sc.PROMPT_TOKEN_IDS: list[_TokenId],
+        sc.RESPONSE_TOKEN_IDS: list[_TokenId],
+        sc.RESPONSE_LOGPROBS: list[_LogProb],
+    }, total=False)
+    typed.__pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[attr-defined]
+    return typed
+
+
+SpanAttributes = _span_attributes()
+
+
+class WireSpan(Span):
+    """A span as sent to the server: :class:`Span` with typed token attributes."""
+
+    attributes: SpanAttributes = Field(default_factory=dict)  # type: ignore[valid-type]
+
+
+class StartRolloutOp(_Wire):
+    op: Literal["start_rollout"]
+    rollout: Rollout
+
+
+class SpanOp(_Wire):
+    op: Literal["span"]
+    span: WireSpan
+
+
+class RewardOp(_Wire):
+    op: Literal["reward"]
+    reward: Reward
+
+
+class FinishRolloutOp(_Wire):
+    op: Literal["finish_rollout"]
+    rollout_id: str
+    status: RolloutStatus
+    end_time: float
+    error: str | None = None
+
+
+Op = Annotated[Union[StartRolloutOp, SpanOp, RewardOp, FinishRolloutOp], Field(discriminator="op")]
+
+
+class Batch(_Wire):
+    ops: list[Op] = Field(max_length=MAX_BATCH_OPS)
+
+
+class BatchResult(_Wire):
+    accepted: int
+
+
+class RewardIn(_Wire):
+    """A late reward (user feedback) for a stored rollout."""
+
+    rollout_id: str
+    value: float
+    name: str = "reward"
+    llm_call_index: int | None = None
+    agent: str | None = None
+    source: RewardSource = RewardSource.FEEDBACK
+    uid: str | None = Field(None, min_length=1, max_length=128)
+
+
+class EnqueueIn(_Wire):
+    task: Any = None
+    n: int = Field(1, le=10_000)  # n < 1: the store says why (same message as locally)
+    mode: Literal["train", "eval", "prod"] = "train"
+    max_tries: int = Field(3, ge=1, le=1000)
+    group_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+
+
+class LeaseIn(_Wire):
+    runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    lease_seconds: float = Field(60.0, gt=0, le=86_400)
+    limit: int = Field(1, ge=1, le=1000)
+
+
+class HeartbeatIn(_Wire):
+    queue_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    lease_seconds: float = Field(60.0, gt=0, le=86_400)
+
+
+class CompleteIn(_Wire):
+    queue_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    outcome: RolloutStatus
+
+
+class GroupsIn(_Wire):
+    group_ids: list[str] | None = Field(None, max_length=10_000)
+
+
+class RolloutIdsIn(_Wire):
+    rollout_ids: list[str] = Field(max_length=1000)
+
+
+class Ok(_Wire):
+    ok: bool
+
+
+class RolloutData(_Wire):
+    rollout: Rollout
+    spans: list[Span]
+    rewards: list[Reward]
+
+
+BATCH = TypeAdapter(Batch)
+QUEUE_ENTRIES = TypeAdapter(list[QueueEntry])
+ROLLOUTS = TypeAdapter(list[Rollout])
+SPANS = TypeAdapter(list[Span])
+REWARDS = TypeAdapter(list[Reward])
+ROLLOUT_DATA = TypeAdapter(list[RolloutData])
+
+
+# -- semantic checks (server side) ------------------------------------------------------------------
+def _check_id(value: str, path: str, errors: list[str]) -> None:
+    if not value or len(value) > MAX_ID_CHARS:
+        errors.append(f"{path}: must be 1 to {MAX_ID_CHARS} characters, got {len(value)}")
+
+
+def _check_span(span: Span, path: str, errors: list[str]) -> None:
+    _check_id(span.rollout_id, f"{path}.rollout_id", errors)
+    if span.seq < 0:
+        errors.append(f"{path}.seq: must be >= 0, got {span.seq}")
+    if not _HEX32.fullmatch(span.trace_id):
+        errors.append(f"{path}.trace_id: must be 32 lowercase hex digits, got {span.trace_id!r:.60}")
+    if not _HEX16.fullmatch(span.span_id):
+        errors.append(f"{path}.span_id: must be 16 lowercase hex digits, got {span.span_id!r:.60}")
+    if span.parent_id is not None and not _HEX16.fullmatch(span.parent_id):
+        errors.append(f"{path}.parent_id: must be 16 lowercase hex digits or null, got {span.parent_id!r:.60}")
+    if not span.name:
+        errors.append(f"{path}.name: must not be empty")
+    if span.kind not in SPAN_KINDS:
+        errors.append(f"{path}.kind: must be one of {', '.join(SPAN_KINDS)}, got {span.kind!r:.60}")
+    if span.status_code not in STATUS_CODES:
+        errors.append(f"{path}.status_code: must be one of {', '.join(STATUS_CODES)}, got {span.status_code!r:.60}")
+    if not 0 <= span.start_ns <= span.end_ns:
+        errors.append(f"{path}: need 0 <= start_ns <= end_ns, got {span.start_ns} and {span.end_ns}")
+    attrs = span.attributes  # token ids and log-probs were type-checked while parsing
+    logprobs, response = attrs.get(sc.RESPONSE_LOGPROBS), attrs.get(sc.RESPONSE_TOKEN_IDS)
+    if logprobs is not None and response is not None and len(logprobs) != len(response):
+        errors.append(f"{path}.attributes[{sc.RESPONSE_LOGPROBS!r}]: {len(logprobs)} log-probs for "
+                      f"{len(response)} response tokens")
+
+
+def check_ops(ops: list[Any]) -> tuple[list[str], set[str], set[str]]:
+    """Rules beyond types. Returns (errors, rollout ids started here, rollout ids referred to)."""
+    errors: list[str] = []
+    started: set[str] = set()
+    referred: set[str] = set()
+    for i, op in enumerate(ops):
+        path = f"ops[{i}]"
+        if isinstance(op, SpanOp):
+            _check_span(op.span, f"{path}.span", errors)
+            referred.add(op.span.rollout_id)
+        elif isinstance(op, StartRolloutOp):
+            r = op.rollout
+            _check_id(r.rollout_id, f"{path}.rollout.rollout_id", errors)
+            if r.attempt < 0:
+                errors.append(f"{path}.rollout.attempt: must be >= 0, got {r.attempt}")
+            if not math.isfinite(r.start_time):
+                errors.append(f"{path}.rollout.start_time: must be a finite UNIX time")
+            started.add(r.rollout_id)
+        elif isinstance(op, RewardOp):
+            if op.reward.llm_call_index is not None and op.reward.llm_call_index < 0:
+                errors.append(f"{path}.reward.llm_call_index: must be >= 0, got {op.reward.llm_call_index}")
+            if not math.isfinite(op.reward.time):
+                errors.append(f"{path}.reward.time: must be a finite UNIX time")
+            referred.add(op.reward.rollout_id)
+        elif isinstance(op, FinishRolloutOp):
+            if not op.status.finished:
+                errors.append(f"{path}.status: a rollout finishes as succeeded, failed or timed_out, got {op.status.value!r}")
+            if not math.isfinite(op.end_time):
+                errors.append(f"{path}.end_time: must be a finite UNIX time")
+            referred.add(op.rollout_id)
+    return errors, started, referred
+
+
+def to_store_items(ops: list[Any]) -> list[tuple[str, Any]]:
+    """Validated ops as the SQLite writer's items (spans as row tuples, JSON encoded once)."""
+    items: list[tuple[str, Any]] = []
+    for op in ops:
+        if isinstance(op, SpanOp):
+            items.append(("span_values", span_record_values(op.span)))
+        elif isinstance(op, StartRolloutOp):
+            items.append(("rollout", op.rollout))
+        elif isinstance(op, RewardOp):
+            items.append(("reward", op.reward))
+        else:
+            items.append(("finish", (op.rollout_id, op.status.value, op.end_time, op.error)))
+    return items
+
+
+# -- encoding (client side): one JSON line per op, also the spill file's format ----------------------
+def encode_span(row: SpanRow) -> bytes:
+    values = span_values(row)
+    return orjson.dumps({"op": "span", "span": {
+        "rollout_id": values[0], "seq": values[1], "trace_id": values[2], "span_id": values[3],
+        "parent_id": values[4], "name": values[5], "kind": values[6], "start_ns": values[7],
+        "end_ns": values[8], "status_code": values[9], "status_message": values[10],
+        "attributes": orjson.Fragment(values[11]),
+        "events": orjson.Fragment(values[12]) if values[12] else [],
+    }})
+
+
+def encode_rollout(rollout: Rollout) -> bytes:
+    return orjson.dumps({"op": "start_rollout", "rollout": rollout.model_dump(mode="json")})
+
+
+def encode_reward(reward: Reward) -> bytes:
+    return orjson.dumps({"op": "reward", "reward": reward.model_dump(mode="json")})
+
+
+def encode_finish(rollout_id: str, status: RolloutStatus | str, end_time: float, error: str | None) -> bytes:
+    return orjson.dumps({"op": "finish_rollout", "rollout_id": rollout_id,
+                         "status": RolloutStatus(status).value, "end_time": end_time, "error": error})
+
+
+def batch_body(ops: list[bytes]) -> bytes:
+    return b'{"ops":[' + b",".join(ops) + b"]}"
+

@@ -1,0 +1,261 @@
+"""The store server and its HTTP client: auth, limits, validation, idempotency, spill and replay.
+
+Every test talks to a real uvicorn server on a loopback port over a real SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.records import Rollout, RolloutStatus
+from lightning_rl.store import wire
+from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.server import BackgroundServer, check_bind
+
+from .helpers import llm_span
+
+TOKEN = "s3cret-token"
+
+
+def _span_op(rollout_id: str, seq: int, **attrs) -> dict:
+    span = llm_span(rollout_id, seq, seq, [1, 2, 3], [4, 5]).model_dump(mode="json")
+    span["attributes"].update(attrs)
+    return {"op": "span", "span": span}
+
+
+def _start_op(rollout_id: str) -> dict:
+    return {"op": "start_rollout", "rollout": Rollout(rollout_id=rollout_id, task={"q": 1}).model_dump(mode="json")}
+
+
+def _rows(db) -> tuple[int, int, int]:
+    conn = sqlite3.connect(db)
+    try:
+        return tuple(conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("rollouts", "spans", "rewards"))
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def server(tmp_path):
+    with BackgroundServer(tmp_path / "served.db", token=TOKEN, max_body_bytes=2**20) as srv:
+        srv.db = tmp_path / "served.db"
+        yield srv
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url + "/v1", headers={"authorization": f"Bearer {TOKEN}"}) as client:
+        yield client
+
+
+def test_token_is_required_and_checked(server):
+    body = {"ops": [_start_op("r1")]}
+    assert httpx.post(f"{server.url}/v1/batch", json=body).status_code == 401
+    wrong = httpx.post(f"{server.url}/v1/batch", json=body, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "wrong bearer token" in wrong.json()["error"]
+    assert httpx.get(f"{server.url}/v1/health").status_code == 200  # health and the schema are open
+    assert "/v1/batch" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert _rows(server.db) == (0, 0, 0)
+
+
+def test_binding_beyond_loopback_needs_a_token():
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", "t")
+    with pytest.raises(lrl.ConfigurationError, match="give it a token"):
+        check_bind("0.0.0.0", None)
+
+
+def test_a_batch_is_written_once_however_often_it_is_sent(server, http):
+    reward = {"op": "reward", "reward": {"rollout_id": "r1", "value": 1.0, "uid": "u-1"}}
+    finish = {"op": "finish_rollout", "rollout_id": "r1", "status": "succeeded", "end_time": time.time()}
+    body = {"ops": [_start_op("r1"), _span_op("r1", 0), _span_op("r1", 1), reward, finish]}
+    for _ in range(3):  # a client retrying a batch whose answer it lost
+        resp = http.post("/batch", json=body)
+        assert resp.status_code == 200 and resp.json() == {"accepted": 5}
+    assert _rows(server.db) == (1, 2, 1)
+    assert server.store.get_rollout("r1").status == RolloutStatus.SUCCEEDED
+
+
+@pytest.mark.parametrize("mutate, status, message", [
+    (lambda ops: ops[1]["span"].update(seq="1"), 422, "ops[1] (span op): span.seq"),
+    (lambda ops: ops[1]["span"]["attributes"].update({"lightning_rl.prompt_token_ids": [1, -5]}), 422,
+     "greater than or equal to 0"),
+    (lambda ops: ops[1]["span"]["attributes"].update({"lightning_rl.response_logprobs": [-0.1]}), 422,
+     "1 log-probs for 2 response tokens"),
+    (lambda ops: ops[1]["span"].update(trace_id="xyz"), 422, "32 lowercase hex digits"),
+    (lambda ops: ops.append({"op": "reward", "reward": {"rollout_id": "r1", "value": "NaN"}}), 422, "reward"),
+    (lambda ops: ops.append({"op": "span", "span": _span_op("ghost", 0)["span"]}), 422, "unknown rollout id(s) 'ghost'"),
+    (lambda ops: ops.append({"op": "finish_rollout", "rollout_id": "r1", "status": "running", "end_time": 1.0}), 422,
+     "finishes as succeeded"),
+    (lambda ops: ops.append({"op": "teleport"}), 422, "op"),
+])
+def test_bad_content_is_refused_whole_with_a_clear_422(server, http, mutate, status, message):
+    ops = [_start_op("r1"), _span_op("r1", 0)]
+    mutate(ops)
+    resp = http.post("/batch", content=orjson.dumps({"ops": ops}, option=orjson.OPT_SERIALIZE_NUMPY))
+    assert resp.status_code == status, resp.text
+    assert message in json.dumps(resp.json())
+    assert _rows(server.db) == (0, 0, 0)  # nothing of a refused batch is written
+
+
+def test_malformed_json_and_oversized_bodies(server, http):
+    resp = http.post("/batch", content=b'{"ops": [')
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]
+    big = b'{"ops": [' + b" " * (2**20 + 10) + b"]}"
+    resp = http.post("/batch", content=big)
+    assert resp.status_code == 413 and "over the server's limit" in resp.json()["error"]
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        for _ in range(40):
+            yield b" " * 65536
+
+    resp = http.post("/batch", content=chunked())
+    assert resp.status_code == 413
+    assert httpx.get(f"{server.url}/v1/health").json()["ok"] is True
+
+
+def test_queries_queue_and_late_rewards_through_the_client(server, tmp_path):
+    client = HttpStore(server.url, token=TOKEN, spill_dir=tmp_path / "spill", retry_for=2)
+    lrl.configure(store=client)
+
+    @lrl.trace
+    def agent(task):
+        with lrl.tool_span("lookup", arguments={"k": task["k"]}):
+            pass
+        return 1.0
+
+    entries = client.enqueue({"k": 1}, n=2)
+    leased = client.lease("r-a", limit=2)
+    assert {e.queue_id for e in leased} == {e.queue_id for e in entries}
+    for entry in leased:
+        with lrl.rollout_overrides(rollout_id=entry.rollout_id, group_id=entry.group_id, task=entry.task):
+            agent(entry.task)
+        assert client.complete(entry.queue_id, "r-a", "succeeded")
+    assert client.wait_for_groups([entries[0].group_id], timeout=5)
+    rid = leased[0].rollout_id
+    late = client.add_reward(rid, -1.0, name="user_feedback", uid="fb-1")
+    client.add_reward(rid, -1.0, name="user_feedback", uid="fb-1")  # a retried feedback call: stored once
+    assert late.uid == "fb-1" and [r.name for r in client.rewards(rid)] == ["reward", "user_feedback"]
+    trajs = list(client.trajectories(reward_name="user_feedback"))
+    assert len(trajs) == 2 and {t.final_reward for t in trajs} == {-1.0, None}
+    with pytest.raises(lrl.RolloutNotFoundError):
+        client.get_rollout("ghost")
+    with pytest.raises(ValueError, match="finite"):
+        client.add_reward(rid, float("nan"))
+    client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_down_spills_locally_and_replays_in_order(tmp_path):
+    port = _free_port()
+    client = HttpStore(f"http://127.0.0.1:{port}", spill_dir=tmp_path / "spill", retry_for=5)
+    lrl.configure(store=client)
+
+    @lrl.trace
+    def agent(task):
+        for i in range(3):
+            with lrl.tool_span("step", arguments={"i": i}):
+                pass
+        lrl.emit_reward(0.5, name="mid")
+        return 1.0
+
+    t0 = time.monotonic()
+    for i in range(5):
+        agent({"i": i})  # no server at all: the agent goes on
+    assert time.monotonic() - t0 < 5  # one ~1 s wait for the first batch, then straight to the spill file
+    assert client.spill_files and lrl.stats().get("spilled_ops", 0) > 0
+    with BackgroundServer(tmp_path / "late.db", port=port) as srv:
+        agent({"i": 5})  # written after the backlog, which is replayed first, within about a second
+        deadline = time.monotonic() + 10
+        while client.spill_files and time.monotonic() < deadline:
+            time.sleep(0.1)
+        client.flush()
+        assert not client.spill_files
+        rollouts = srv.store.rollouts()
+        assert len(rollouts) == 6 and {r.status for r in rollouts} == {RolloutStatus.SUCCEEDED}
+        assert all(len(srv.store.spans(r.rollout_id)) == 4 and len(srv.store.rewards(r.rollout_id)) == 2
+                   for r in rollouts)
+    client.close()
+
+
+def test_refused_records_are_kept_aside_not_dropped(server, tmp_path):
+    client = HttpStore(server.url, token=TOKEN, spill_dir=tmp_path / "spill", retry_for=2)
+    client.add_spans([llm_span("never-started", 0, 0, [1], [2])])  # no start_rollout: the server says 422
+    rejected = list((tmp_path / "spill").glob("rejected-*.jsonl"))
+    assert len(rejected) == 1
+    reason, *ops = rejected[0].read_bytes().splitlines()
+    assert "unknown rollout id" in orjson.loads(reason)["reason"] and len(ops) == 1
+    assert lrl.stats().get("rejected_ops", 0) >= 1
+    client.close()
+
+
+def test_spill_files_of_a_dead_process_are_adopted_and_replayed(server, tmp_path):
+    spill = tmp_path / "spill"
+    code = f"""
+import lightning_rl as lrl, os
+from lightning_rl.store.http_store import HttpStore
+client = HttpStore("http://127.0.0.1:1", spill_dir={str(spill)!r}, retry_for=1)
+lrl.configure(store=client)
+@lrl.trace
+def agent(task):
+    return 1.0
+agent({{"q": 1}})
+os._exit(0)  # dies without replaying
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert len(list(spill.glob("*.jsonl"))) >= 1
+    client = HttpStore(server.url, token=TOKEN, spill_dir=spill, retry_for=2)
+    assert client.spill_files  # adopted from the dead process
+    client.start_rollout(Rollout(rollout_id="mine"))
+    client.flush()
+    assert not list(spill.glob("*.jsonl"))
+    assert {r.rollout_id for r in server.store.rollouts()} >= {"mine"} and len(server.store.rollouts()) == 2
+    client.close()
+
+
+def test_cli_serves_a_store_that_runners_use(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, LIGHTNING_RL_STORE_TOKEN=TOKEN)
+    server = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db",
+                               str(tmp_path / "cli.db"), "--port", str(port)], env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        client = HttpStore(url, token=TOKEN, spill_dir=tmp_path / "spill")
+        group = client.enqueue({"a": 2, "b": 3}, n=3)[0].group_id
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_rl.cli", "runner", "--agent", "tests.store.server_agents:add",
+             "--store", url, "--concurrency", "2", "--max-rollouts", "3"],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert client.wait_for_groups([group], timeout=10)
+        trajs = list(client.trajectories())
+        assert len(trajs) == 3 and all(t.final_reward == 1.0 and len(t.tool_spans) == 1 for t in trajs)
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(30)
