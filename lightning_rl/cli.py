@@ -282,15 +282,18 @@ def store_openapi() -> None:
 @click.option("--runner-id", default=None, help="Name in the queue (default: runner-PID-random).")
 @click.option("--idle-exit", type=float, default=None, help="Exit after this many seconds with nothing to do.")
 @click.option("--max-rollouts", type=int, default=None, help="Exit after running this many tries.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Write a JSON report at exit (tries run, store write latencies).")
 @_errors
-def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id, idle_exit, max_rollouts) -> None:
+def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id, idle_exit, max_rollouts,
+           report) -> None:
     """Run tries of the store's task queue with a traced agent, until stopped.
 
     Example: LIGHTNING_RL_STORE=http://10.0.0.5:8765 lightning-rl runner --agent my_pkg.agents:solve
     """
     import signal
 
-    from ._api import configure
+    from ._api import configure, stats
     from .trainer_bridge.runner import Runner, load_agent
 
     opened = configure(store=store) if store else configure()
@@ -303,6 +306,11 @@ def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id,
         ran = worker.serve(idle_exit=idle_exit, max_rollouts=max_rollouts)
     opened.flush()
     click.echo(f"{worker.runner_id}: ran {ran} tries", err=True)
+    if report:
+        latencies = list(getattr(opened, "latencies", []))
+        with open(report, "w") as f:
+            json.dump({"runner": worker.runner_id, "ran": ran, "write_latencies_s": latencies,
+                       "counters": stats()}, f)
 
 
 @main.command("plot")

@@ -21,9 +21,11 @@ when the server is unreachable (a runner waits out a server restart) and then ra
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,18 @@ def _default_spill_dir(url: str) -> Path:
     return Path.home() / ".cache" / "lightning-rl" / "spill" / f"{parts.hostname}_{parts.port or 80}"
 
 
+_open_stores: "weakref.WeakSet[HttpStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for store in list(_open_stores):
+        try:
+            store.close()
+        except Exception as exc:
+            report_failure("close at exit", exc)
+
+
 class HttpStore(Store):
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 10.0, retry_for: float = 60.0,
                  spill_dir: str | os.PathLike[str] | None = None, queue_size: int | None = None,
@@ -153,6 +167,7 @@ class HttpStore(Store):
         self._stop = threading.Event()
         self._replayer = threading.Thread(target=self._poke_replay, name="lightning-rl-spill-replay", daemon=True)
         self._replayer.start()
+        _open_stores.add(self)
 
     # -- sink ------------------------------------------------------------------------------------
     def start_rollout(self, rollout: Rollout) -> None:
@@ -173,11 +188,15 @@ class HttpStore(Store):
         return self._writer.flush(timeout)
 
     def close(self) -> None:
+        """Send what is queued, try once more to replay the backlog (whatever stays is adopted by
+        the next process that opens this spill directory), and close."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
         self._writer.close()
+        if self._spill.files:
+            self._replay(force=True)
         self._client.close()
 
     @property
@@ -213,9 +232,9 @@ class HttpStore(Store):
                 self._spill.append(ops[start:])
                 return
 
-    def _replay(self) -> bool:
+    def _replay(self, force: bool = False) -> bool:
         """Send the spill files, oldest first. True when none is left."""
-        if time.monotonic() - self._spill.last_failure < _PROBE_EVERY:
+        if not force and time.monotonic() - self._spill.last_failure < _PROBE_EVERY:
             return False
         while self._spill.files:
             path = self._spill.files[0]
