@@ -52,7 +52,7 @@ model: $(MODEL_DIR)/config.json
 
 test: all venv-verl
 	$(PY) -m pytest -q
-	$(VERL_VENV)/bin/python -m pytest -q -m verl tests/trainer_bridge
+	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not slow"

@@ -1,0 +1,43 @@
+"""Runners as Ray actors on a local Ray cluster, writing through a real store server.
+Runs in .venv-verl (which has Ray) with `pytest -m ray`; skipped where Ray is not installed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lightning_rl.records import QueueStatus, RolloutStatus  # noqa: E402
+from lightning_rl.store.http_store import HttpStore  # noqa: E402
+from lightning_rl.store.server import BackgroundServer  # noqa: E402
+from lightning_rl.trainer_bridge.ray_runners import start_ray_runners, stop_ray_runners  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ray_actor_runners_share_the_queue_through_the_store_server(tmp_path):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "LIGHTNING_RL_SPILL_DIR": str(tmp_path / "spill")}})
+    try:
+        with BackgroundServer(tmp_path / "served.db", token="ray-token") as server:
+            client = HttpStore(server.url, token="ray-token", spill_dir=tmp_path / "spill-test")
+            groups = [client.enqueue({"spans": 5, "sleep": 0.02}, n=4)[0].group_id for _ in range(6)]
+            runners = start_ray_runners("tests.store.server_agents:steps", server.url, n=2, concurrency=4,
+                                        token="ray-token", num_cpus=0.5)
+            assert client.wait_for_groups(groups, timeout=180)
+            reports = stop_ray_runners(runners)
+            entries = client.queue_entries(groups)
+            assert len(entries) == 24 and all(e.status == QueueStatus.DONE and e.outcome == RolloutStatus.SUCCEEDED
+                                              for e in entries)
+            assert sorted(r["runner"] for r in reports) == ["ray-0", "ray-1"] and sum(r["ran"] for r in reports) == 24
+            trajs = list(client.trajectories())
+            assert len(trajs) == 24 and all(len(client.spans(t.rollout_id)) == 6 and t.final_reward == 1.0
+                                            for t in trajs)
+            client.close()
+    finally:
+        ray.shutdown()
