@@ -21,11 +21,9 @@ when the server is unreachable (a runner waits out a server restart) and then ra
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from ..tracer.diagnostics import count, report_failure
 from ..tracer.sink import SpanRow
 from . import wire
 from .base import Store
+from .lifecycle import track
 from .writer import BackgroundWriter
 
 ENV_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
@@ -129,18 +128,6 @@ def _default_spill_dir(url: str) -> Path:
     return Path.home() / ".cache" / "lightning-rl" / "spill" / f"{parts.hostname}_{parts.port or 80}"
 
 
-_open_stores: "weakref.WeakSet[HttpStore]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for store in list(_open_stores):
-        try:
-            store.close()
-        except Exception as exc:
-            report_failure("close at exit", exc)
-
-
 class HttpStore(Store):
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 10.0, retry_for: float = 60.0,
                  spill_dir: str | os.PathLike[str] | None = None, queue_size: int | None = None,
@@ -153,8 +140,9 @@ class HttpStore(Store):
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
-        self._client = httpx.Client(base_url=self.url + wire.API_PREFIX, headers=headers,
-                                    timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
+        self._client_args = dict(base_url=self.url + wire.API_PREFIX, headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
+        self._client = httpx.Client(**self._client_args)
         self._retry_for = retry_for
         self._batch_ops = max(1, min(batch_ops, wire.MAX_BATCH_OPS))
         self._spill = SpillFiles(Path(spill_dir) if spill_dir else _default_spill_dir(self.url))
@@ -162,12 +150,23 @@ class HttpStore(Store):
         self._closed = False
         self.latencies: list[float] = []  # seconds per accepted batch request (bench and reliability figures)
         self._lat_lock = threading.Lock()
-        self._writer = BackgroundWriter(self._send, maxsize=queue_size or Settings.from_env().queue_size,
-                                        name=f"lightning-rl-http:{parts.hostname}:{parts.port}")
+        self._queue_size = queue_size or Settings.from_env().queue_size
+        self._start_threads()
+        track(self)
+
+    def _start_threads(self) -> None:
+        self._writer = BackgroundWriter(self._send, maxsize=self._queue_size, name=f"lightning-rl-http:{self.url}")
         self._stop = threading.Event()
         self._replayer = threading.Thread(target=self._poke_replay, name="lightning-rl-spill-replay", daemon=True)
         self._replayer.start()
-        _open_stores.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: its own connections, threads and spill files (the parent keeps its own)."""
+        self._client = httpx.Client(**self._client_args)
+        self._spill = SpillFiles(self._spill.folder)
+        self.latencies = []
+        self._lat_lock = threading.Lock()
+        self._start_threads()
 
     # -- sink ------------------------------------------------------------------------------------
     def start_rollout(self, rollout: Rollout) -> None:

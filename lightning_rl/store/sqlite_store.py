@@ -12,12 +12,10 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import sqlite3
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from ..settings import Settings
 from ..tracer.diagnostics import count, report_failure
 from ..tracer.sink import SpanRow
 from .base import Store
+from .lifecycle import track
 from .migrations import check_is_store, migrate
 from .rows import (
     QUEUE_COLUMNS, queue_from_values, queue_values,
@@ -40,8 +39,6 @@ from .writer import BackgroundWriter
 _INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
 _INSERT_ROLLOUT = f"INSERT OR IGNORE INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) VALUES ({', '.join('?' * len(ROLLOUT_COLUMNS))})"
 _INSERT_REWARD = f"INSERT OR IGNORE INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
-
-_open_stores: "weakref.WeakSet[SQLiteStore]" = weakref.WeakSet()
 
 # Rows per multi-row INSERT: 13 columns x 16 rows stays far below SQLite's bound-parameter limit.
 _CHUNK = 16
@@ -93,7 +90,7 @@ class SQLiteStore(Store):
         self._busy_timeout = busy_timeout
         self._closed = False
         self._open()
-        _open_stores.add(self)
+        track(self)
 
     def _open(self) -> None:
         self._wconn = connect(self.path, self._busy_timeout)
@@ -325,24 +322,3 @@ class _SQLiteQueueView:
                 rows,
             )
 
-
-def _close_all() -> None:
-    for store in list(_open_stores):
-        try:
-            store.close()
-        except Exception as exc:
-            report_failure("close at exit", exc)
-
-
-def _reinit_after_fork() -> None:
-    for store in list(_open_stores):
-        if not store._closed:
-            try:
-                store._after_fork()
-            except Exception as exc:
-                report_failure("store re-open after fork", exc)
-
-
-atexit.register(_close_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reinit_after_fork)

@@ -259,3 +259,27 @@ def test_cli_serves_a_store_that_runners_use(tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_a_forked_child_writes_through_its_own_connection(server, tmp_path):
+    client = HttpStore(server.url, token=TOKEN, spill_dir=tmp_path / "spill", retry_for=5)
+    lrl.configure(store=client)
+
+    @lrl.trace
+    def agent(task):
+        return 1.0
+
+    agent({"who": "parent"})
+    pid = os.fork()
+    if pid == 0:  # the child: the store was re-opened after the fork (new connection and writer)
+        try:
+            agent({"who": "child"})
+            client.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    agent({"who": "parent again"})
+    client.flush()
+    tasks = sorted(r.task["who"] for r in server.store.rollouts())
+    assert tasks == ["child", "parent", "parent again"]
+    client.close()

@@ -1,0 +1,40 @@
+"""Open stores are closed at interpreter exit (queued records are written) and re-opened in a
+forked child (a child gets no copy of the parent's writer thread or connections)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Any
+
+from ..tracer.diagnostics import report_failure
+
+_open: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def track(store: Any) -> None:
+    """Close ``store`` at exit; call its ``_after_fork()`` in forked children while it is open."""
+    _open.add(store)
+
+
+def _close_all() -> None:
+    for store in list(_open):
+        try:
+            store.close()
+        except Exception as exc:
+            report_failure("close at exit", exc)
+
+
+def _reinit_after_fork() -> None:
+    for store in list(_open):
+        if not store._closed:
+            try:
+                store._after_fork()
+            except Exception as exc:
+                report_failure("store re-open after fork", exc)
+
+
+atexit.register(_close_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
