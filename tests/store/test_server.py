@@ -283,3 +283,14 @@ def test_a_forked_child_writes_through_its_own_connection(server, tmp_path):
     tasks = sorted(r.task["who"] for r in server.store.rollouts())
     assert tasks == ["child", "parent", "parent again"]
     client.close()
+
+
+def test_the_environment_alone_sends_an_unchanged_agent_to_the_server(server, tmp_path):
+    env = dict(os.environ, LIGHTNING_RL_STORE=server.url, LIGHTNING_RL_STORE_TOKEN=TOKEN,
+               LIGHTNING_RL_SPILL_DIR=str(tmp_path / "spill"))
+    code = "import lightning_rl as lrl\n@lrl.trace\ndef solve(task):\n    return 1.0\nsolve({'q': 'env'})\n"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    assert [r.task for r in server.store.rollouts()] == [{"q": "env"}]
+    listed = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "rollouts", "ls", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(listed.stdout.splitlines()[0])["task"] == {"q": "env"}
