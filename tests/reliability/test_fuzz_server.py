@@ -9,7 +9,6 @@ of the OpenAPI document (then only "no 5xx, server up" can be asserted: some of 
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import socket

@@ -18,7 +18,6 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.records import Rollout, RolloutStatus
-from lightning_rl.store import wire
 from lightning_rl.store.http_store import HttpStore
 from lightning_rl.store.server import BackgroundServer, check_bind
 
