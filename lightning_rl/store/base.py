@@ -179,12 +179,23 @@ class Store:
 
     # -- the task queue (rules in store/task_queue.py) --------------------------------------------
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None) -> list[QueueEntry]:
-        """Queue ``task`` to be tried ``n`` times (one group). Returns the new entries."""
+                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+        """Queue ``task`` to be tried ``n`` times (one group). Returns the new entries.
+
+        ``once=True`` (with ``group_id``) makes it idempotent: if that group exists already, its
+        entries are returned and nothing is added (a retried request after a lost answer)."""
         check_mode(mode)
         entries = task_queue.new_group(task, n, mode=mode, max_tries=max_tries, group_id=group_id)
-        self._queue_txn(lambda view: view.put(entries))
-        return entries
+
+        def put(view):
+            if once and group_id is not None:
+                existing = view.select(status=list(task_queue.QueueStatus), group_ids=[group_id])
+                if existing:
+                    return existing
+            view.put(entries)
+            return entries
+
+        return self._queue_txn(put)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:
         """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued, see the rules)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -365,14 +366,18 @@ class HttpStore(Store):
 
     # -- the task queue ------------------------------------------------------------------------------
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None) -> list[QueueEntry]:
+                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+        """As :meth:`Store.enqueue`. Without a ``group_id`` the client makes one and sends the request
+        with ``once``, so that a retry after a lost answer does not queue the task twice."""
         try:
             orjson.dumps(task)
         except TypeError as exc:
             raise TaskNotSerializableError(f"task {task!r:.80} cannot be sent to the store server as JSON ({exc}); "
                                            "use dicts, lists, strings and numbers") from None
+        if group_id is None:
+            group_id, once = uuid.uuid4().hex, True
         data = self._request("POST", "/queue/enqueue", json=dict(task=task, n=n, mode=mode, max_tries=max_tries,
-                                                                 group_id=group_id))
+                                                                 group_id=group_id, once=once))
         return wire.QUEUE_ENTRIES.validate_python(data)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:

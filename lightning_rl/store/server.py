@@ -175,17 +175,20 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     """The ASGI app serving ``store``. ``token``: required bearer token (None: no auth, loopback only)."""
     app = FastAPI(title="lightning-rl store", version=str(wire.API_PREFIX[2:]),
                   description="Rollouts, spans, rewards and the task queue of one lightning-rl store.")
-    known: OrderedDict[str, None] = OrderedDict()
+    known: OrderedDict[str, None] = OrderedDict()  # rollout ids in the file (most recent last)
+    known_lock = threading.Lock()  # used from the event loop and from worker threads
 
     def remember(ids: set[str]) -> None:
-        for rid in ids:
-            known[rid] = None
-            known.move_to_end(rid)
-        while len(known) > _KNOWN_CACHE:
-            known.popitem(last=False)
+        with known_lock:
+            for rid in ids:
+                known[rid] = None
+                known.move_to_end(rid)
+            while len(known) > _KNOWN_CACHE:
+                known.popitem(last=False)
 
     def unknown_rollouts(ids: set[str]) -> set[str]:
-        missing = {rid for rid in ids if rid not in known}
+        with known_lock:
+            missing = {rid for rid in ids if rid not in known}
         if missing:
             found = store.existing_rollout_ids(missing)
             remember(found)
@@ -295,7 +298,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     async def enqueue(request: Request) -> Response:
         data = await body_of(request, TypeAdapter(wire.EnqueueIn))
         entries = await anyio.to_thread.run_sync(lambda: store.enqueue(
-            data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id))
+            data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id, once=data.once))
         return _json([e.model_dump(mode="json") for e in entries])
 
     @app.post(f"{p}/queue/lease", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.LeaseIn))
@@ -303,7 +306,6 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         data = await body_of(request, TypeAdapter(wire.LeaseIn))
         entries = await anyio.to_thread.run_sync(lambda: store.lease(
             data.runner, lease_seconds=data.lease_seconds, limit=data.limit))
-        remember({e.rollout_id for e in entries if e.rollout_id})
         return _json([e.model_dump(mode="json") for e in entries])
 
     @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=_body_schema(wire.HeartbeatIn))

@@ -121,6 +121,7 @@ class EnqueueIn(_Wire):
     mode: Literal["train", "eval", "prod"] = "train"
     max_tries: int = Field(3, ge=1, le=1000)
     group_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    once: bool = False
 
 
 class LeaseIn(_Wire):

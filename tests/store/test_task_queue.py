@@ -85,3 +85,9 @@ def test_heartbeat_keeps_a_lease_alive(store):
         time.sleep(0.1)
         assert store.heartbeat(e.queue_id, "r", lease_seconds=0.3)
     assert store.lease("other") == []
+
+
+def test_enqueue_once_is_idempotent_for_a_group(store):
+    first = store.enqueue({"q": 1}, n=3, group_id="g-1", once=True)
+    again = store.enqueue({"q": 1}, n=3, group_id="g-1", once=True)  # a retried request
+    assert [e.queue_id for e in again] == [e.queue_id for e in first] and len(store.queue_entries(["g-1"])) == 3
