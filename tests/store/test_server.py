@@ -293,3 +293,19 @@ def test_the_environment_alone_sends_an_unchanged_agent_to_the_server(server, tm
     listed = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "rollouts", "ls", "--json"], env=env,
                             capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(listed.stdout.splitlines()[0])["task"] == {"q": "env"}
+
+
+def test_trainer_worker_processes_lease_through_the_server(server, tmp_path, monkeypatch):
+    from lightning_rl.trainer_bridge.runner import run_in_processes
+
+    from .server_agents import add
+
+    monkeypatch.setenv("LIGHTNING_RL_STORE_TOKEN", TOKEN)
+    monkeypatch.setenv("LIGHTNING_RL_SPILL_DIR", str(tmp_path / "spill"))
+    client = HttpStore(server.url, spill_dir=tmp_path / "spill-test")
+    groups = [client.enqueue({"a": i, "b": 1}, n=2)[0].group_id for i in range(4)]
+    assert run_in_processes(server.url, add, groups, processes=2) == [0, 0]
+    entries = client.queue_entries(groups)
+    assert len(entries) == 8 and all(e.outcome == RolloutStatus.SUCCEEDED for e in entries)
+    assert len(list(client.trajectories(status="succeeded"))) == 8
+    client.close()
