@@ -24,13 +24,19 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import anyio
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
 from ..errors import ConfigurationError, LightningRLError, RolloutNotFoundError, StoreError
+
+try:
+    import anyio
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+except ImportError as exc:  # the server is an extra; clients need only the core
+    raise ConfigurationError(
+        f"the store server needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
+    ) from None
 from ..records import QueueEntry, Reward, Rollout, Span
 from ..tracer.diagnostics import counters
 from . import wire
