@@ -43,6 +43,7 @@ class Runner:
         self.is_async = inspect.iscoroutinefunction(agent)
         self._aio: asyncio.Runner | None = None
         self._stopping = False
+        self._last_busy = time.monotonic()
 
     def run_until_done(self, group_ids: Sequence[str], *, on_done: Callable[[QueueEntry, str], None] | None = None) -> None:
         """Lease and run tries until every try of ``group_ids`` is done.
@@ -50,54 +51,68 @@ class Runner:
         Every call runs on the runner's one event loop: async clients (AsyncOpenAI's connection
         pool) are bound to the loop they first ran on, and a new loop per call breaks them
         ("Event loop is closed")."""
-        if self._aio is None:
-            self._aio = asyncio.Runner()
-        self._aio.run(self._loop(list(group_ids), on_done))
+        groups = list(group_ids)
+
+        async def groups_done() -> bool:  # others' leases may still expire and come back
+            return await asyncio.to_thread(self.store.wait_for_groups, groups, timeout=0)
+
+        self._run(self._drive(groups_done, on_done=on_done))
 
     def serve(self, *, idle_exit: float | None = None, max_rollouts: int | None = None) -> int:
         """Lease and run tries from the whole queue until stopped (SIGTERM/SIGINT), idle for
         ``idle_exit`` seconds, or ``max_rollouts`` done. Returns how many tries it ran. A store that
         stops answering (a server restart) is waited out: the loop retries, it does not die."""
-        if self._aio is None:
-            self._aio = asyncio.Runner()
-        return self._aio.run(self._serve(idle_exit, max_rollouts))
+
+        async def idle_long_enough() -> bool:
+            return idle_exit is not None and time.monotonic() - self._last_busy >= idle_exit
+
+        return self._run(self._drive(idle_long_enough, max_rollouts=max_rollouts))
 
     def stop(self) -> None:
+        """Lease nothing more; the tries in hand finish, then ``serve`` returns."""
         self._stopping = True
 
-    async def _serve(self, idle_exit: float | None, max_rollouts: int | None) -> int:
+    def _run(self, coro: Any) -> Any:
+        if self._aio is None:
+            self._aio = asyncio.Runner()
+        return self._aio.run(coro)
+
+    async def _drive(self, idle_done: Callable[[], Any], *, max_rollouts: int | None = None,
+                     on_done: Callable[[QueueEntry, str], None] | None = None) -> int:
+        """The one lease-and-run loop. When nothing runs, ``await idle_done()`` True ends it.
+        Returns how many tries ran."""
         running: set[asyncio.Task] = set()
-        done_count = 0
-        idle_since = time.monotonic()
+        ran = 0
         self._stopping = False
+        self._last_busy = time.monotonic()
         while True:
             free = self.concurrency - len(running)
             if max_rollouts is not None:
-                free = min(free, max_rollouts - done_count - len(running))
+                free = min(free, max_rollouts - ran - len(running))
             if free > 0 and not self._stopping:
-                try:
-                    leased = await asyncio.to_thread(self.store.lease, self.runner_id,
-                                                     lease_seconds=self.lease_seconds, limit=free)
-                except LightningRLError as exc:
-                    report_failure("runner lease", exc)
-                    leased = []
-                    await asyncio.sleep(1.0)
-                for entry in leased:
-                    running.add(asyncio.create_task(self._run_one(entry, None)))
+                for entry in await self._lease(free):
+                    running.add(asyncio.create_task(self._run_one(entry, on_done)))
             if running:
-                idle_since = time.monotonic()
+                self._last_busy = time.monotonic()
                 done, pending = await asyncio.wait(running, timeout=self.poll, return_when=asyncio.FIRST_COMPLETED)
                 running = set(pending)
-                done_count += len(done)
+                ran += len(done)
                 for task in done:
                     if task.exception() is not None:
                         report_failure("runner task", task.exception())
                 continue
-            if self._stopping or (max_rollouts is not None and done_count >= max_rollouts):
-                return done_count
-            if idle_exit is not None and time.monotonic() - idle_since >= idle_exit:
-                return done_count
+            if self._stopping or (max_rollouts is not None and ran >= max_rollouts) or await idle_done():
+                return ran
             await asyncio.sleep(self.poll)
+
+    async def _lease(self, limit: int) -> list[QueueEntry]:
+        try:
+            return await asyncio.to_thread(self.store.lease, self.runner_id, lease_seconds=self.lease_seconds,
+                                           limit=limit)
+        except LightningRLError as exc:  # the store is away (a server restart): wait, then try again
+            report_failure("runner lease", exc)
+            await asyncio.sleep(1.0)
+            return []
 
     def close(self) -> None:
         if self._aio is not None:
@@ -109,25 +124,6 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    async def _loop(self, group_ids: list[str], on_done) -> None:
-        running: set[asyncio.Task] = set()
-        while True:
-            free = self.concurrency - len(running)
-            if free > 0:
-                for entry in await asyncio.to_thread(self.store.lease, self.runner_id,
-                                                     lease_seconds=self.lease_seconds, limit=free):
-                    running.add(asyncio.create_task(self._run_one(entry, on_done)))
-            if not running:
-                if await asyncio.to_thread(self.store.wait_for_groups, group_ids, timeout=0):
-                    return
-                await asyncio.sleep(self.poll)  # others' leases may still expire and come back
-                continue
-            done, running = await asyncio.wait(running, timeout=self.poll, return_when=asyncio.FIRST_COMPLETED)
-            running = set(running)
-            for task in done:
-                if task.exception() is not None:
-                    report_failure("runner task", task.exception())
 
     async def _heartbeat(self, entry: QueueEntry) -> None:
         while True:
