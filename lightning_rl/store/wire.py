@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from .. import semconv as sc
 from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span
 from ..tracer.sink import SpanRow
-from .rows import span_record_values, span_values
+from .rows import SPAN_COLUMNS, span_record_values, span_values
 
 API_PREFIX = "/v1"
 #: Ops per request the client sends, and the most the server accepts.
@@ -249,14 +249,12 @@ def to_store_items(ops: list[Any]) -> list[tuple[str, Any]]:
 
 # -- encoding (client side): one JSON line per op, also the spill file's format ----------------------
 def encode_span(row: SpanRow) -> bytes:
-    values = span_values(row)
-    return orjson.dumps({"op": "span", "span": {
-        "rollout_id": values[0], "seq": values[1], "trace_id": values[2], "span_id": values[3],
-        "parent_id": values[4], "name": values[5], "kind": values[6], "start_ns": values[7],
-        "end_ns": values[8], "status_code": values[9], "status_message": values[10],
-        "attributes": orjson.Fragment(values[11]),
-        "events": orjson.Fragment(values[12]) if values[12] else [],
-    }})
+    """The span as the ``spans`` row already encodes it; its attributes and events JSON is embedded
+    as is (``orjson.Fragment``), not parsed and dumped again."""
+    span = dict(zip(SPAN_COLUMNS, span_values(row)))
+    span["attributes"] = orjson.Fragment(span["attributes"])
+    span["events"] = orjson.Fragment(span["events"]) if span["events"] else []
+    return orjson.dumps({"op": "span", "span": span})
 
 
 def encode_rollout(rollout: Rollout) -> bytes:
