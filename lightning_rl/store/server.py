@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigurationError, LightningRLError, RolloutNotFoundError, StoreError
 
@@ -84,9 +84,9 @@ def _validation_details(exc: ValidationError) -> list[str]:
     return out
 
 
-def _parse(adapter: TypeAdapter, body: bytes) -> Any:
+def _parse(model: type[BaseModel], body: bytes) -> Any:
     try:
-        return adapter.validate_json(body, strict=True)
+        return model.model_validate_json(body, strict=True)
     except ValidationError as exc:
         if any(e["type"] == "json_invalid" for e in exc.errors()):
             raise _Refused(400, "the request body is not valid JSON",
@@ -201,8 +201,8 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
             missing -= found
         return missing
 
-    async def body_of(request: Request, adapter: TypeAdapter) -> Any:
-        return _parse(adapter, await request.body())
+    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+        return _parse(model, await request.body())
 
     @app.exception_handler(_Refused)
     async def _refused(request: Request, exc: _Refused) -> Response:
@@ -241,7 +241,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     @app.post(f"{p}/batch", response_model=wire.BatchResult, openapi_extra=_body_schema(wire.Batch))
     async def batch(request: Request) -> Response:
         """Write ops (start_rollout, span, reward, finish_rollout) atomically and idempotently."""
-        ops = (await body_of(request, wire.BATCH)).ops
+        ops = (await body_of(request, wire.Batch)).ops
         errors, started, referred = wire.check_ops(ops)
         if errors:
             raise _Refused(422, f"{len(errors)} invalid value(s) in the batch; nothing was written", errors)
@@ -257,7 +257,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     @app.post(f"{p}/rewards", response_model=Reward, openapi_extra=_body_schema(wire.RewardIn))
     async def add_reward(request: Request) -> Response:
         """A late reward (user feedback), durable on return. Idempotent when ``uid`` is given."""
-        data = await body_of(request, TypeAdapter(wire.RewardIn))
+        data = await body_of(request, wire.RewardIn)
         reward = await anyio.to_thread.run_sync(lambda: store.add_reward(
             data.rollout_id, data.value, data.name, llm_call_index=data.llm_call_index, agent=data.agent,
             source=data.source, uid=data.uid))
@@ -295,41 +295,41 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
               openapi_extra=_body_schema(wire.RolloutIdsIn))
     async def rollout_data(request: Request) -> Response:
         """Rollouts with their spans and rewards, many at once (clients assemble trajectories)."""
-        ids = (await body_of(request, TypeAdapter(wire.RolloutIdsIn))).rollout_ids
+        ids = (await body_of(request, wire.RolloutIdsIn)).rollout_ids
         data = await anyio.to_thread.run_sync(store.rollout_data, ids)
         return _json([{"rollout": r.model_dump(mode="json"), "spans": [s.model_dump(mode="json") for s in sp],
                        "rewards": [w.model_dump(mode="json") for w in rw]} for r, sp, rw in data])
 
     @app.post(f"{p}/queue/enqueue", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.EnqueueIn))
     async def enqueue(request: Request) -> Response:
-        data = await body_of(request, TypeAdapter(wire.EnqueueIn))
+        data = await body_of(request, wire.EnqueueIn)
         entries = await anyio.to_thread.run_sync(lambda: store.enqueue(
             data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id, once=data.once))
         return _json([e.model_dump(mode="json") for e in entries])
 
     @app.post(f"{p}/queue/lease", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.LeaseIn))
     async def lease(request: Request) -> Response:
-        data = await body_of(request, TypeAdapter(wire.LeaseIn))
+        data = await body_of(request, wire.LeaseIn)
         entries = await anyio.to_thread.run_sync(lambda: store.lease(
             data.runner, lease_seconds=data.lease_seconds, limit=data.limit))
         return _json([e.model_dump(mode="json") for e in entries])
 
     @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=_body_schema(wire.HeartbeatIn))
     async def heartbeat(request: Request) -> Response:
-        data = await body_of(request, TypeAdapter(wire.HeartbeatIn))
+        data = await body_of(request, wire.HeartbeatIn)
         ok = await anyio.to_thread.run_sync(lambda: store.heartbeat(
             data.queue_id, data.runner, lease_seconds=data.lease_seconds))
         return _json({"ok": ok})
 
     @app.post(f"{p}/queue/complete", response_model=wire.Ok, openapi_extra=_body_schema(wire.CompleteIn))
     async def complete(request: Request) -> Response:
-        data = await body_of(request, TypeAdapter(wire.CompleteIn))
+        data = await body_of(request, wire.CompleteIn)
         ok = await anyio.to_thread.run_sync(lambda: store.complete(data.queue_id, data.runner, data.outcome))
         return _json({"ok": ok})
 
     @app.post(f"{p}/queue/entries", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.GroupsIn))
     async def queue_entries(request: Request) -> Response:
-        data = await body_of(request, TypeAdapter(wire.GroupsIn))
+        data = await body_of(request, wire.GroupsIn)
         entries = await anyio.to_thread.run_sync(lambda: store.queue_entries(data.group_ids))
         return _json([e.model_dump(mode="json") for e in entries])
 

@@ -160,7 +160,6 @@ class RolloutData(_Wire):
     rewards: list[Reward]
 
 
-BATCH = TypeAdapter(Batch)
 QUEUE_ENTRIES = TypeAdapter(list[QueueEntry])
 ROLLOUTS = TypeAdapter(list[Rollout])
 SPANS = TypeAdapter(list[Span])
