@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--response-tokens", type=int, default=32)
     ap.add_argument("--batch-ops", type=int, default=500, help="Our client's ops per request.")
-    ap.add_argument("--workers", type=int, default=1, help="Our server's worker processes.")
+    ap.add_argument("--workers", type=int, default=2, help="Our server's worker processes (the server's default).")
     ap.add_argument("--rounds", type=int, default=3, help="Runs of ours (median reported).")
     ap.add_argument("--peer-python", default=None, help="Python of the peer's environment (.venv-peer/bin/python).")
     ap.add_argument("--peer-spans-per-client", type=int, default=None, help="Default: --spans-per-client.")

@@ -243,7 +243,7 @@ def store_group() -> None:
 @click.option("--token", envvar="LIGHTNING_RL_STORE_TOKEN", default=None,
               help="Bearer token clients must send (default: $LIGHTNING_RL_STORE_TOKEN).")
 @click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
-@click.option("--workers", type=int, default=1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Server processes on the port (they parse in parallel and share the SQLite file).")
 @click.option("--log-level", default="warning", show_default=True)
 @_errors

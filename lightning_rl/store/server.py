@@ -366,7 +366,7 @@ def _tune_gc() -> None:
 
 
 def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 1) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 2) -> None:
     """Run the server until interrupted (SIGINT/SIGTERM); the store is flushed and closed on the way out.
 
     ``workers`` > 1 runs that many processes on one port, each parsing requests and writing to the
