@@ -66,9 +66,8 @@ def cpu_seconds(pid: int) -> float:
 
 def _client(url: str, index: int, spans: int, prompt: int, response: int, batch_ops: int, barrier, out) -> None:
     """One client process: rollouts of SPANS_PER_ROLLOUT LLM spans each, through HttpStore."""
-    from lightning_rl.records import Rollout, RolloutStatus
+    from lightning_rl.records import Rollout, RolloutStatus, SpanRow
     from lightning_rl.store.http_store import HttpStore
-    from lightning_rl.tracer.sink import SpanRow
 
     store = HttpStore(url, spill_dir=tempfile.mkdtemp(prefix=f"bench-spill-{index}-"), batch_ops=batch_ops)
     payloads = [llm_attributes(prompt, response, seed) for seed in range(16)]

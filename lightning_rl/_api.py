@@ -8,11 +8,11 @@ from typing import Any
 
 from opentelemetry.sdk.trace import SpanProcessor
 
+from . import diagnostics
 from .adapters import instrument_loaded
 from .settings import check_mode
 from .store import Store
 from .store import open_store as _open_store
-from .tracer import diagnostics
 from .tracer.provider import add_span_processors, tracing
 from .tracer.sink import SpanSink
 

@@ -1,7 +1,8 @@
 """Persisted and wire records (pydantic v2). See DESIGN.md, "Records".
 
 Every record forbids unknown fields and carries ``schema_version`` so that readers can tell a
-record from a newer writer. Hot-path internals use plain dataclasses instead (``tracer.sink.SpanRow``).
+record from a newer writer. Hot-path internals use plain dataclasses instead (``SpanRow``: a finished
+span on its way from the tracer to a store, shared by both layers).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -112,6 +115,25 @@ class Span(_Record):
     status_message: str | None = None
     attributes: dict[str, Any] = Field(default_factory=dict)
     events: list[dict[str, Any]] = Field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SpanRow:
+    """A finished span on its way to a store (hot path: no validation, no serialization yet)."""
+
+    rollout_id: str
+    seq: int
+    trace_id: int
+    span_id: int
+    parent_id: int | None
+    name: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    status_code: str
+    status_message: str | None
+    attributes: Mapping[str, Any]
+    events: Sequence[Any]
 
 
 class Reward(_Record):

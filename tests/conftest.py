@@ -16,7 +16,8 @@ os.environ.setdefault("LIGHTNING_RL_STORE", f"sqlite:///{tempfile.mkdtemp(prefix
 
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.store import InMemoryStore, SQLiteStore  # noqa: E402
-from lightning_rl.tracer import diagnostics, tracing  # noqa: E402
+from lightning_rl import diagnostics  # noqa: E402
+from lightning_rl.tracer import tracing  # noqa: E402
 from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 
 MODEL_DIR = ROOT / ".cache" / "tiny-qwen2"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from ..tracer.diagnostics import report_failure
+from ..diagnostics import report_failure
 
 # framework module that signals it is in use -> adapter module to instrument it
 _FRAMEWORKS = {

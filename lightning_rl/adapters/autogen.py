@@ -35,8 +35,8 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import semconv
+from ..diagnostics import report_failure
 from ..tracer.context import _agent, _our_span, _rollout, current_agent_name
-from ..tracer.diagnostics import report_failure
 from ..tracer.provider import parent_context, tracing
 
 _MARK = "__lightning_rl_original__"

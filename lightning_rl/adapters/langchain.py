@@ -42,8 +42,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import semconv
+from ..diagnostics import count, report_failure
 from ..tracer.context import LLMHint, _rollout, current_agent_name, current_llm_hint, set_llm_hint
-from ..tracer.diagnostics import count, report_failure
 from ..tracer.provider import parent_context, tracing
 
 _MAX_TEXT = 4000

@@ -24,8 +24,8 @@ import orjson
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import semconv
+from ..diagnostics import count, report_failure
 from ..tracer.context import RolloutState, _llm_hint, _rollout, current_agent_name
-from ..tracer.diagnostics import count, report_failure
 from ..tracer.provider import parent_context, tracing
 
 _SAMPLING_KEYS = (

@@ -33,11 +33,10 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
-from ..records import QueueEntry, QueueStatus, Reward, Rollout, RolloutStatus, Span
+from ..records import QueueEntry, QueueStatus, Reward, Rollout, RolloutStatus, Span, SpanRow
 from ..settings import Settings
-from ..tracer.diagnostics import count, report_failure
-from ..tracer.sink import SpanRow
 from . import wire
 from .base import Store
 from .lifecycle import track

@@ -8,7 +8,7 @@ import os
 import weakref
 from typing import Any
 
-from ..tracer.diagnostics import report_failure
+from ..diagnostics import report_failure
 
 _open: "weakref.WeakSet[Any]" = weakref.WeakSet()
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from ..records import QueueEntry, Reward, Rollout, RolloutStatus, Span, allowed_from
-from ..tracer.diagnostics import count
-from ..tracer.sink import SpanRow
+from ..diagnostics import count
+from ..records import QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
 from .base import Store
 from .rows import span_from_values, span_values
 

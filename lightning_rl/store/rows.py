@@ -6,9 +6,8 @@ from typing import Any
 
 import orjson
 
-from ..records import QueueEntry, Reward, Rollout, Span
-from ..tracer.diagnostics import count
-from ..tracer.sink import SpanRow
+from ..diagnostics import count
+from ..records import QueueEntry, Reward, Rollout, Span, SpanRow
 
 SPAN_COLUMNS = (
     "rollout_id", "seq", "trace_id", "span_id", "parent_id", "name", "kind", "start_ns", "end_ns",

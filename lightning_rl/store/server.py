@@ -37,8 +37,8 @@ except ImportError as exc:  # the server is an extra; clients need only the core
     raise ConfigurationError(
         f"the store server needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
     ) from None
+from ..diagnostics import counters
 from ..records import QueueEntry, Reward, Rollout, Span
-from ..tracer.diagnostics import counters
 from . import wire
 from .base import Store
 

@@ -21,11 +21,10 @@ from typing import Any
 
 import orjson
 
+from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
-from ..records import Reward, Rollout, RolloutStatus, Span, allowed_from
+from ..records import Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
 from ..settings import Settings
-from ..tracer.diagnostics import count, report_failure
-from ..tracer.sink import SpanRow
 from .base import Store
 from .lifecycle import track
 from .migrations import check_is_store, migrate

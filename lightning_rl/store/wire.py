@@ -22,8 +22,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .. import semconv as sc
-from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span
-from ..tracer.sink import SpanRow
+from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span, SpanRow
 from .rows import SPAN_COLUMNS, span_record_values, span_values
 
 API_PREFIX = "/v1"

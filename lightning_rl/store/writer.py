@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..tracer.diagnostics import count, report_failure
+from ..diagnostics import count, report_failure
 
 FLUSH = "flush"
 

@@ -39,7 +39,7 @@ from ..errors import InvalidRewardError, TaskNotSerializableError, check_reward,
 from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
 from ..settings import check_mode
 from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
-from .diagnostics import report_failure
+from ..diagnostics import report_failure
 from .provider import agent_span, parent_context, tracing
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)

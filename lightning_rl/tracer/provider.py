@@ -17,11 +17,12 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from .. import semconv
+from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
+from ..records import SpanRow
 from ..settings import Settings
 from .context import _our_span, _rollout
-from .diagnostics import count, report_failure
-from .sink import SpanRow, SpanSink
+from .sink import SpanSink
 
 INSTRUMENTATION_NAME = "lightning_rl"
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from opentelemetry import trace as otel_trace
 
 from .. import semconv
+from ..diagnostics import report_failure
 from ..errors import check_reward
 from ..records import Reward, RewardSource
 from .context import require_rollout
-from .diagnostics import report_failure
 from .provider import tracing
 
 

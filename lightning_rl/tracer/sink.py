@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from ..records import Reward, Rollout, RolloutStatus
+from ..records import Reward, Rollout, RolloutStatus, SpanRow
 
-
-@dataclass(slots=True)
-class SpanRow:
-    """A finished span on its way to a store (hot path: no validation, no serialization yet)."""
-
-    rollout_id: str
-    seq: int
-    trace_id: int
-    span_id: int
-    parent_id: int | None
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int
-    status_code: str
-    status_message: str | None
-    attributes: Mapping[str, Any]
-    events: Sequence[Any]
+__all__ = ["SpanRow", "SpanSink"]
 
 
 @runtime_checkable

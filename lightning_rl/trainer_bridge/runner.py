@@ -22,11 +22,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..diagnostics import report_failure
 from ..errors import LightningRLError
 from ..records import QueueEntry, RolloutStatus
 from ..store.base import Store
 from ..tracer import rollout_overrides
-from ..tracer.diagnostics import report_failure
 
 
 class Runner:

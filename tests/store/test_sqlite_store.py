@@ -10,10 +10,9 @@ import threading
 import pytest
 
 import lightning_rl as lrl
-from lightning_rl.records import RolloutStatus
+from lightning_rl.records import RolloutStatus, SpanRow
 from lightning_rl.store import SQLiteStore, open_store
 from lightning_rl.store.migrations import APPLICATION_ID, latest_version
-from lightning_rl.tracer.sink import SpanRow
 
 from .helpers import rollout
 

@@ -1,0 +1,98 @@
+"""Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
+
+bottom (records, errors, semconv, settings, diagnostics) <- tracer <- adapters; bottom <- store;
+the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
+functions count too: a lazy import still runs against the flow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lightning_rl"
+BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics"}
+FACE = {"lightning_rl", "_api", "cli"}
+# layer -> the layers it must never import
+FORBIDDEN = {
+    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server"},
+    "tracer": {"store", "adapters", "trainer_bridge", "face"},
+    "store": {"tracer", "adapters", "trainer_bridge", "face"},
+    "adapters": {"store", "trainer_bridge", "face"},
+}
+
+
+def layer_of(dotted: str) -> str:
+    """``lightning_rl.store.base`` -> ``store``; ``lightning_rl.records`` -> ``bottom``."""
+    parts = dotted.split(".")
+    assert parts[0] == "lightning_rl", dotted
+    if len(parts) == 1 or parts[1] in FACE or parts[1] == "__init__":
+        return "face"
+    return "bottom" if parts[1] in BOTTOM else parts[1]
+
+
+def imported_modules(source: str, module: str, *, is_package: bool = False) -> set[str]:
+    """Every ``lightning_rl`` module that ``module``'s source imports, anywhere in the file."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "lightning_rl")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "lightning_rl":
+                continue
+            if node.module is None or target in ("lightning_rl",):  # `from .. import semconv`: submodules
+                found.update(f"{target}.{a.name}" for a in node.names)
+            else:
+                found.add(target)
+    return found
+
+
+def violations(source: str, module: str, *, is_package: bool = False) -> list[str]:
+    own = layer_of(module)
+    banned = FORBIDDEN.get(own, set())
+    return sorted(f"{module} ({own}) imports {target} ({layer_of(target)})"
+                  for target in imported_modules(source, module, is_package=is_package)
+                  if layer_of(target) in banned and layer_of(target) != own)
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        is_package = rel.name == "__init__"
+        dotted = ".".join(rel.parts[:-1] if is_package else rel.parts)
+        yield dotted, path, is_package
+
+
+def test_no_import_runs_against_the_flow():
+    found = [v for dotted, path, is_package in _modules()
+             for v in violations(path.read_text(), dotted, is_package=is_package)]
+    assert found == []
+
+
+def test_every_package_module_is_in_a_known_layer():
+    layers = {layer_of(dotted) for dotted, _, _ in _modules()}
+    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server"}
+    assert {"bottom", "tracer", "store", "adapters"} <= layers
+
+
+@pytest.mark.parametrize("source,module,is_package,expected", [
+    ("from ..tracer.diagnostics import count", "lightning_rl.store.rows", False, ["tracer"]),
+    ("def f():\n    from ..adapters import openai", "lightning_rl.store.base", False, ["adapters"]),
+    ("import lightning_rl.store.base", "lightning_rl.tracer.context", False, ["store"]),
+    ("from .. import _api", "lightning_rl.adapters.openai", False, ["face"]),
+    ("from .tracer import tracing", "lightning_rl.records", False, ["tracer"]),
+    ("from ..store import Store", "lightning_rl.tracer", True, ["store"]),
+    ("from ..records import SpanRow\nfrom .. import semconv", "lightning_rl.store.rows", False, []),
+    ("from . import wire", "lightning_rl.store.server", False, []),
+])
+def test_the_checker_catches_each_kind_of_import(source, module, is_package, expected):
+    got = violations(source, module, is_package=is_package)
+    assert [v.rsplit("(", 1)[1].rstrip(")") for v in got] == expected
