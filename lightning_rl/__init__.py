@@ -6,6 +6,7 @@ LangChain, AutoGen) is captured with the serving engine's token ids and logprobs
 """
 
 from ._api import configure, flush, open_store, set_policy_version, stats
+from .adapters import install as _instrument_frameworks
 from .adapters.openai import instrument as _instrument_openai
 from .errors import (
     ConfigurationError,
@@ -38,6 +39,7 @@ from .tracer import agent_scope, current_endpoint, current_rollout_id, emit_rewa
 __version__ = "0.1.0"
 
 _instrument_openai()
+_instrument_frameworks()  # LangChain and AutoGen: now if imported, else the moment they are
 
 __all__ = [
     "ConfigurationError",

@@ -9,7 +9,6 @@ from typing import Any
 from opentelemetry.sdk.trace import SpanProcessor
 
 from . import diagnostics
-from .adapters import instrument_loaded
 from .settings import check_mode
 from .store import Store
 from .store import open_store as _open_store
@@ -70,4 +69,3 @@ def stats() -> dict[str, int]:
 
 
 tracing.set_sink_factory(_open_store)
-tracing.rollout_start_hooks.append(instrument_loaded)

@@ -1,9 +1,20 @@
-"""Framework adapters. Each emits spans through the tracer only; optional frameworks are imported
-only inside their own module, and only once the user's program has imported them."""
+"""Framework adapters. Each emits spans through the tracer only.
+
+Optional frameworks are imported only inside their own adapter module, and only once the user's
+program has imported them: ``install()`` instruments the frameworks already loaded and puts a
+post-import hook on ``sys.meta_path`` for the others, so a framework is instrumented the moment its
+import finishes, wherever that happens (at the top of a module, or inside the first traced call).
+The order of imports never matters, and a program that never imports LangChain or AutoGen never
+pays for them.
+"""
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
+import threading
+from types import ModuleType
+from typing import Any
 
 from ..diagnostics import report_failure
 
@@ -13,21 +24,87 @@ _FRAMEWORKS = {
     "autogen_agentchat": "lightning_rl.adapters.autogen",
 }
 _done: set[str] = set()
+_lock = threading.RLock()
+
+
+def _instrument(framework: str) -> None:
+    """Instrument one framework once (never raises: a failure is logged once and counted)."""
+    with _lock:
+        if framework in _done:
+            return
+        _done.add(framework)
+    try:
+        __import__(_FRAMEWORKS[framework], fromlist=["instrument"]).instrument()
+    except Exception as exc:
+        report_failure(f"instrumenting {framework}", exc)
 
 
 def instrument_loaded() -> None:
-    """Instrument every supported framework the program has imported (cheap; runs at rollout start).
+    """Instrument every supported framework that is already in ``sys.modules``."""
+    for framework in _FRAMEWORKS:
+        if framework not in _done and framework in sys.modules:
+            _instrument(framework)
 
-    LangChain and AutoGen are not imported by lightning_rl itself (that would cost users who do not
-    use them a second at import); a framework imported during a rollout is picked up at the next.
-    """
-    if len(_done) == len(_FRAMEWORKS):
-        return
-    for framework, adapter in _FRAMEWORKS.items():
-        if framework in _done or framework not in sys.modules:
-            continue
-        _done.add(framework)
+
+class _InstrumentAfterExec(importlib.abc.Loader):
+    """Runs the framework's own loader, then instruments it. Everything else is the original loader's."""
+
+    def __init__(self, loader: Any, framework: str) -> None:
+        self._loader = loader
+        self._framework = framework
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module is the framework's: it keeps its own loader, as if we were never there.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _instrument(self._framework)
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, get_code, ...
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a framework's top-level package it asks the finders after it and
+    wraps the loader they return, so that the framework is instrumented when its import finishes."""
+
+    def __init__(self) -> None:
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _FRAMEWORKS or fullname in _done or getattr(self._busy, "on", False):
+            return None
+        self._busy.on = True
         try:
-            __import__(adapter, fromlist=["instrument"]).instrument()
-        except Exception as exc:
-            report_failure(f"instrumenting {framework}", exc)
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        except Exception as exc:  # never break the user's import: let the normal machinery try
+            report_failure("post-import hook", exc)
+            return None
+        finally:
+            self._busy.on = False
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _InstrumentAfterExec(spec.loader, fullname)
+        return spec
+
+
+_finder = _PostImportFinder()
+
+
+def install() -> None:
+    """Instrument the frameworks already imported and hook the imports of the others (idempotent)."""
+    with _lock:
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+    instrument_loaded()

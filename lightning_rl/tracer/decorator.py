@@ -35,11 +35,11 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import semconv
+from ..diagnostics import report_failure
 from ..errors import InvalidRewardError, TaskNotSerializableError, check_reward, shown
 from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
 from ..settings import check_mode
 from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
-from ..diagnostics import report_failure
 from .provider import agent_span, parent_context, tracing
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
@@ -139,11 +139,6 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
         policy_version=tracing.policy_version(),
     )
     sink = tracing.sink()  # a store that cannot open is a set-up error: it surfaces here
-    for hook in tracing.rollout_start_hooks:
-        try:
-            hook()
-        except Exception as exc:
-            report_failure("rollout start hook", exc)
     try:
         sink.start_rollout(rollout)
     except Exception as exc:

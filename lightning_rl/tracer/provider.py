@@ -91,7 +91,6 @@ class Tracing:
         self._sink: SpanSink | None = None
         self._sink_factory: Callable[[str], SpanSink] | None = None
         self._policy_versions: dict[str | None, int] = {None: self.settings.policy_version}
-        self.rollout_start_hooks: list[Callable[[], None]] = []  # e.g. instrument newly imported frameworks
         limits = SpanLimits(
             max_span_attributes=512,
             max_events=1024,

@@ -116,3 +116,11 @@ def test_same_spans_when_the_user_has_a_global_provider(vllm_url, tmp_path):
 async def test_nothing_recorded_outside_a_rollout(traced, vllm_url):
     await ag.checker(vllm_url).run(task=QUESTION)
     assert traced.rollouts() == []
+
+
+def test_autogen_imported_inside_the_first_rollout_names_its_agents(vllm_url, tmp_path):
+    script = Path(ag.__file__).with_name("late_import_agent.py")
+    result = subprocess.run([sys.executable, str(script), vllm_url, str(tmp_path / "late.db")], capture_output=True,
+                            text=True, timeout=300, cwd=script.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["checker", "solver"]  # not "first_rollout"
