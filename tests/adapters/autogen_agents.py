@@ -1,4 +1,9 @@
-"""Real AutoGen agents and teams for the tests (also run as a script in a subprocess)."""
+"""Real AutoGen agents and teams for the tests (also run as a script in a subprocess).
+
+The solver's first move is forced, not sampled: its client names the calculator in ``tool_choice``,
+and the calculator is a ``strict`` tool whose argument is a pattern, so vLLM produces exactly one
+valid call whatever the tiny model would say.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,10 @@ import sys
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.conditions import MaxMessageTermination
 from autogen_agentchat.teams import RoundRobinGroupChat, SelectorGroupChat
+from autogen_core import CancellationToken
+from autogen_core.tools import BaseTool
 from autogen_ext.models.openai import OpenAIChatCompletionClient
+from pydantic import BaseModel, Field
 
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": True, "family": "unknown",
               "structured_output": True}
@@ -23,15 +31,30 @@ def calculator(expression: str) -> str:
         return f"error: {exc}"
 
 
+class CalculatorArgs(BaseModel):
+    expression: str = Field(description="two numbers and a plus, e.g. 12+30", pattern=r"^[0-9]{1,3}[+][0-9]{1,3}$")
+
+
+class Calculator(BaseTool[CalculatorArgs, str]):
+    def __init__(self) -> None:
+        super().__init__(CalculatorArgs, str, "calculator", "Evaluate an arithmetic expression.", strict=True)
+
+    async def run(self, args: CalculatorArgs, cancellation_token: CancellationToken) -> str:
+        return calculator(args.expression)
+
+
+CALCULATOR = Calculator()
+
+
 class ToolFirstClient(OpenAIChatCompletionClient):
-    """AssistantAgent always asks for tool_choice="auto"; this client asks for "required" whenever
-    tools are offered, so that a tiny model's tool path is exercised deterministically."""
+    """AssistantAgent always asks for tool_choice="auto"; this client names the calculator whenever
+    tools are offered, so the tool path runs on every model (one call, never several)."""
 
     async def create(self, messages, *, tools=(), tool_choice="auto", **kwargs):
-        return await super().create(messages, tools=tools, tool_choice="required" if tools else tool_choice, **kwargs)
+        return await super().create(messages, tools=tools, tool_choice=CALCULATOR if tools else tool_choice, **kwargs)
 
     def create_stream(self, messages, *, tools=(), tool_choice="auto", **kwargs):
-        return super().create_stream(messages, tools=tools, tool_choice="required" if tools else tool_choice, **kwargs)
+        return super().create_stream(messages, tools=tools, tool_choice=CALCULATOR if tools else tool_choice, **kwargs)
 
 
 def client(base_url: str, *, tool_first: bool = False) -> OpenAIChatCompletionClient:
@@ -40,7 +63,7 @@ def client(base_url: str, *, tool_first: bool = False) -> OpenAIChatCompletionCl
 
 
 def solver(base_url: str, *, stream: bool = False) -> AssistantAgent:
-    return AssistantAgent("solver", model_client=client(base_url, tool_first=True), tools=[calculator],
+    return AssistantAgent("solver", model_client=client(base_url, tool_first=True), tools=[CALCULATOR],
                           system_message="Be exact.", model_client_stream=stream)
 
 

@@ -12,7 +12,8 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.store import trajectory_samples
 
-pytestmark = pytest.mark.vllm
+# A named tool_choice ends with finish_reason "stop" (as OpenAI does), which AutoGen warns about.
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore:Finish reason mismatch:UserWarning")]
 pytest.importorskip("autogen_agentchat")
 
 from . import autogen_agents as ag  # noqa: E402

@@ -1,4 +1,8 @@
-"""A traced agent for the verl agent-loop test: it calls whatever endpoint the loop chose."""
+"""A traced agent for the verl agent-loop test: it calls whatever endpoint the loop chose.
+
+Its answers are digits by guided decoding, so each prompt extends the previous prompt + answer as an
+exact token prefix on any model (the test asserts no prefix split).
+"""
 
 import openai
 
@@ -10,8 +14,11 @@ async def two_turn_solver(task):
     base_url, model = lrl.current_endpoint()
     client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
     messages = [{"role": "user", "content": task["question"]}]
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0)
+    digits = {"structured_outputs": {"regex": "[0-9]{1,6}"}}
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
+                                                 extra_body=digits)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "tool says 42"}]
-    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0)
+    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
+                                                 extra_body=digits)
     return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
