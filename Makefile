@@ -9,7 +9,7 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer model test test-fast demo demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer model test test-fast test-other-seed demo demo-spine bench clean
 
 all: venv venv-vllm model
 
@@ -46,8 +46,9 @@ venv-verl: $(VERL_VENV)/.stamp
 	PYTHON=$(PYTHON) scripts/make_peer_venv.sh .venv-peer
 venv-peer: .venv-peer/.stamp
 
+MODEL_ARGS := --layers 4 --warm-start-steps 1200
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
-	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) --layers 4 --warm-start-steps 1200
+	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
 test: all venv-verl
@@ -56,6 +57,12 @@ test: all venv-verl
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not slow"
+
+# The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):
+# no test may depend on what one sampled model says. SEED=7 make test-other-seed
+SEED ?= 1
+test-other-seed: all venv-verl
+	MODEL_ARGS="$(MODEL_ARGS)" scripts/vllm_tests_other_seed.sh $(SEED)
 
 demo: all
 	$(PY) examples/calculator_rl/train.py --model-dir $(MODEL_DIR)

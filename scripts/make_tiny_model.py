@@ -12,13 +12,20 @@ With ``--warm-start-steps N`` it is first trained (supervised, a few minutes on 
 synthetic calculator conversations, so that it knows the tool-call format and calls the tool in
 about ``--tool-fraction`` of its answers; the rest are (mostly wrong) direct guesses.
 
+The build is as reproducible as torch allows: one seed drives the data and the initial weights,
+torch runs deterministic algorithms on a fixed number of threads (``--threads``, not the machine's
+core count), and the script prints a fingerprint (a hash of the weights and the greedy answer to a
+fixed prompt) that it also writes to ``lightning_rl_tiny.json``. Two machines with different CPUs
+may still differ in the last bits of a float, so tests never rely on what the model says.
+
 Usage: python scripts/make_tiny_model.py --out .cache/tiny-qwen2 [--seed 0] [--layers 2] [--hidden 128]
-       [--warm-start-steps 600] [--tool-fraction 0.3]
+       [--warm-start-steps 600] [--tool-fraction 0.3] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import string
 from pathlib import Path
@@ -184,10 +191,35 @@ def warm_start(model, tokenizer, *, steps: int, seed: int, tool_fraction: float 
     model.eval()
 
 
+FINGERPRINT_MESSAGES = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 12+30?"}]
+
+
+def fingerprint(model, tokenizer) -> dict:
+    """A hash of the weights (names, dtypes, shapes, bytes) and the greedy answer to a fixed prompt."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    ids = tokenizer.apply_chat_template(FINGERPRINT_MESSAGES, tools=[CALCULATOR_TOOL], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(ids)]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=48, do_sample=False)
+    greedy = tokenizer.decode(out[0, len(ids):], skip_special_tokens=False)
+    return {"weights_sha256": digest.hexdigest()[:16], "greedy": greedy}
+
+
 def make_tiny_model(out: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128,
-                    warm_start_steps: int = 0, tool_fraction: float = 0.3) -> Path:
+                    warm_start_steps: int = 0, tool_fraction: float = 0.3, threads: int = 2) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    # Reproducible: the same kernels in the same order whatever the machine's core count.
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,14 +246,18 @@ def make_tiny_model(out: str | Path, *, seed: int = 0, layers: int = 2, hidden: 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     if warm_start_steps:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         warm_start(model, tokenizer, steps=warm_start_steps, seed=seed, tool_fraction=tool_fraction)
+    model.eval()
+    generation = GenerationConfig(bos_token_id=pad, eos_token_id=[im_end, pad], pad_token_id=pad)
+    model.generation_config = generation
+    prints = fingerprint(model, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(bos_token_id=pad, eos_token_id=[im_end, pad], pad_token_id=pad).save_pretrained(out)
+    generation.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "lightning_rl_tiny.json").write_text(json.dumps({"seed": seed, "layers": layers, "hidden": hidden,
-                                                               "warm_start_steps": warm_start_steps,
-                                                               "tool_fraction": tool_fraction}))
+    (out / "lightning_rl_tiny.json").write_text(json.dumps({
+        "seed": seed, "layers": layers, "hidden": hidden, "warm_start_steps": warm_start_steps,
+        "tool_fraction": tool_fraction, "threads": threads, "torch": torch.__version__, "fingerprint": prints}))
+    print(f"fingerprint: weights sha256 {prints['weights_sha256']}  greedy {prints['greedy']!r}")
     return out
 
 
@@ -235,9 +271,12 @@ def main() -> None:
                         help="Supervised steps on synthetic calculator traces (0 = random weights).")
     parser.add_argument("--tool-fraction", type=float, default=0.3,
                         help="Share of warm-start traces that call the calculator (the rest guess).")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads during the build (fixed, so that the result does not depend on the machine)")
     args = parser.parse_args()
     path = make_tiny_model(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden,
-                           warm_start_steps=args.warm_start_steps, tool_fraction=args.tool_fraction)
+                           warm_start_steps=args.warm_start_steps, tool_fraction=args.tool_fraction,
+                           threads=args.threads)
     print(f"tiny model written to {path}")
 
 

@@ -15,12 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LIGHTNING_RL_STORE", f"sqlite:///{tempfile.mkdtemp(prefix='lrl-default-')}/default.db")
 
 import lightning_rl as lrl  # noqa: E402
-from lightning_rl.store import InMemoryStore, SQLiteStore  # noqa: E402
 from lightning_rl import diagnostics  # noqa: E402
+from lightning_rl.store import InMemoryStore, SQLiteStore  # noqa: E402
 from lightning_rl.tracer import tracing  # noqa: E402
 from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 
-MODEL_DIR = ROOT / ".cache" / "tiny-qwen2"
+# LIGHTNING_RL_TEST_MODEL_DIR runs the suite against another tiny model (scripts/vllm_tests_other_seed.sh).
+MODEL_DIR = Path(os.environ.get("LIGHTNING_RL_TEST_MODEL_DIR") or ROOT / ".cache" / "tiny-qwen2").resolve()
 SERVED_NAME = "tiny"
 
 
@@ -66,6 +67,9 @@ def traced(tmp_path):
 
 def ensure_tiny_model() -> Path:
     if not (MODEL_DIR / "config.json").exists():
+        if os.environ.get("LIGHTNING_RL_TEST_MODEL_DIR"):
+            pytest.exit(f"LIGHTNING_RL_TEST_MODEL_DIR={MODEL_DIR} holds no model; build one with "
+                        "scripts/make_tiny_model.py --out DIR", returncode=2)
         subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
     return MODEL_DIR
 

@@ -21,8 +21,8 @@ def _quickstart() -> str:
 
 
 def test_readme_quickstart_runs_as_pasted(tmp_path):
-    ensure_tiny_model()
-    (tmp_path / ".cache").symlink_to(ROOT / ".cache")  # the quickstart names .cache/tiny-qwen2
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "tiny-qwen2").symlink_to(ensure_tiny_model())  # the quickstart names .cache/tiny-qwen2
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_RL_STORE"}
     result = subprocess.run([sys.executable, "-c", _quickstart()], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=400)
@@ -50,6 +50,7 @@ def test_spine_demo_prints_a_summary_line(tmp_path, vllm_url):
 def test_rl_demo_runs_and_prints_its_result_line(tmp_path, vllm_url):
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "calculator_rl" / "train.py"), "--server-url", vllm_url,
+         "--model-dir", str(ensure_tiny_model()),
          "--out", str(tmp_path / "demo"), "--steps", "2", "--n", "2", "--tasks-per-step", "2", "--eval-tasks", "4"],
         capture_output=True, text=True, timeout=600,
     )
