@@ -7,15 +7,14 @@ everything users call is written once here, so every store behaves the same.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
-import time
-
 from ..records import Mode, QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Sample, Span, Trajectory
-from . import task_queue
 from ..settings import check_mode
+from . import task_queue
 from .assembly import assemble
 from .samples import SampleStats, trajectory_samples
 
@@ -199,11 +198,21 @@ class Store:
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:
         """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued, see the rules)."""
+        return self._queue_txn(lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(),
+                                                             self.expire_rollout))
 
-        def expire(rollout_id: str, reason: str) -> None:
-            self.finish_rollout(rollout_id, RolloutStatus.TIMED_OUT, time.time(), reason)
+    def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
+        """The queue gave up on this try (its lease expired, or its runner stopped waiting): its rollout
+        is ``timed_out`` whatever it reports, now or later. A rollout that has not started yet gets a
+        ``timed_out`` row at once, so a late start cannot bring it back as a success outside the queue.
+        (Stores whose rollouts live elsewhere send a plain finish.)"""
+        self.finish_rollout(entry.rollout_id, RolloutStatus.TIMED_OUT, time.time(), reason)
 
-        return self._queue_txn(lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire))
+    @staticmethod
+    def _tombstone(entry: QueueEntry, reason: str) -> Rollout:
+        now = time.time()
+        return Rollout(rollout_id=entry.rollout_id, task=entry.task, group_id=entry.group_id, attempt=entry.attempt,
+                       mode=entry.mode, status=RolloutStatus.TIMED_OUT, start_time=now, end_time=now, error=reason)
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
         return self._queue_txn(lambda view: task_queue.heartbeat(view, queue_id, runner, lease_seconds, time.time()))

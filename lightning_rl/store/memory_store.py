@@ -48,6 +48,14 @@ class InMemoryStore(Store):
                 update={"status": RolloutStatus(status), "end_time": end_time, "error": error}
             )
 
+    def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
+        tombstone = self._tombstone(entry, reason)
+        with self._lock:
+            rollout = self._rollouts.setdefault(entry.rollout_id, tombstone)
+            if rollout.status != RolloutStatus.TIMED_OUT:
+                self._rollouts[entry.rollout_id] = rollout.model_copy(update={
+                    "status": RolloutStatus.TIMED_OUT, "end_time": tombstone.end_time, "error": reason})
+
     def write_batch(self, items) -> None:
         for kind, payload in items:
             if kind == "rollout":

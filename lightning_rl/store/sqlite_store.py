@@ -121,6 +121,10 @@ class SQLiteStore(Store):
     def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
         self._writer.put("finish", (rollout_id, RolloutStatus(status).value, end_time, error))
 
+    def expire_rollout(self, entry, reason: str) -> None:
+        tombstone = self._tombstone(entry, reason)
+        self._writer.put("expire", (rollout_values(tombstone), tombstone.end_time, reason))
+
     def flush(self, timeout: float | None = None) -> bool:
         if self._closed:
             return True
@@ -165,7 +169,7 @@ class SQLiteStore(Store):
 
     # -- the writer thread ------------------------------------------------------------------------
     def _apply(self, items: list[tuple[str, Any]]) -> None:
-        rollouts, spans, rewards, finishes = [], [], [], []
+        rollouts, spans, rewards, finishes, expires = [], [], [], [], []
         for kind, payload in items:
             if kind == "span":
                 spans.append(span_values(payload))
@@ -177,6 +181,8 @@ class SQLiteStore(Store):
                 rewards.append(reward_values(payload) if isinstance(payload, Reward) else tuple(payload))
             elif kind == "finish":
                 finishes.append(tuple(payload))
+            elif kind == "expire":
+                expires.append(payload)
         conn = self._wconn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -195,6 +201,10 @@ class SQLiteStore(Store):
                 )
                 if cur.rowcount == 0:
                     count("rejected_status_transitions")
+            for values, end_time, reason in expires:  # the queue's word is final: after everything else
+                conn.execute(_INSERT_ROLLOUT, tuple(values))
+                conn.execute("UPDATE rollouts SET status = ?, end_time = ?, error = ? WHERE rollout_id = ? AND status != ?",
+                             (RolloutStatus.TIMED_OUT.value, end_time, reason, values[0], RolloutStatus.TIMED_OUT.value))
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:

@@ -4,9 +4,10 @@ Rules:
 
 * ``enqueue(task, n=4)`` makes n entries that share a ``group_id``.
 * ``lease(runner, lease_seconds)`` hands out queued entries, and entries whose lease expired (their
-  runner died or hung). An expired try's rollout is marked ``timed_out`` ("lease expired"), is kept,
-  and is never mixed into the retry, which gets a fresh rollout id. An entry leased ``max_tries`` times
-  whose lease expires again is done with outcome ``timed_out``.
+  runner died or hung). An expired try's rollout is marked ``timed_out`` ("lease expired") whatever it
+  reports, before or after (``Store.expire_rollout``), is kept, and is never mixed into the retry, which
+  gets a fresh rollout id. An entry leased ``max_tries`` times whose lease expires again is done with
+  outcome ``timed_out``.
 * ``heartbeat`` extends a lease; ``complete`` records the rollout's outcome. Only the runner holding
   the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused).
 * ``wait(group_ids)`` waits until every entry of those groups is done.
@@ -44,13 +45,13 @@ def new_group(task: Any, n: int, *, mode: str | Mode = Mode.TRAIN, max_tries: in
 
 
 def lease(view: QueueView, runner: str, lease_seconds: float, limit: int, now: float,
-          expire_rollout: Callable[[str, str], None]) -> list[QueueEntry]:
+          expire_rollout: Callable[[QueueEntry, str], None]) -> list[QueueEntry]:
     out: list[QueueEntry] = []
     changed: list[QueueEntry] = []
     for entry in view.select(status=[QueueStatus.LEASED]):
         if entry.lease_expires is not None and entry.lease_expires < now:
             if entry.rollout_id:
-                expire_rollout(entry.rollout_id, f"lease of runner {entry.runner!r} expired")
+                expire_rollout(entry, f"lease of runner {entry.runner!r} expired")
             if entry.tries >= entry.max_tries:
                 entry = entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus.TIMED_OUT,
                                                  "runner": None, "lease_expires": None})

@@ -6,9 +6,16 @@ rollout runs, and completes the entry with the rollout's outcome. An exception (
 call included) makes the outcome ``failed``, a timeout ``timed_out``: never a success. A runner
 that dies stops heartbeating; its lease expires and the task is retried by another runner.
 
-Async agents run as asyncio tasks on the runner's one event loop. Sync agents run in threads with
-a copied context, or in worker processes (``run_in_processes``: each imports the agent by
-``module:function`` and leases from the same SQLite store file).
+Async agents run as asyncio tasks on the runner's one event loop (several runners may share one
+loop: ``loop=``). Sync agents run each in a thread of its own, started for that try, with a copied
+context, or in worker processes (``run_in_processes``: each imports the agent by ``module:function``
+and leases from the same SQLite store file). Store calls (lease, heartbeat, complete) run on a
+small pool of their own, so a runner full of slow sync agents still heartbeats on time.
+
+Timeouts: an async agent is cancelled inside its traced call; a sync agent cannot be stopped, so
+the runner stops waiting for it, marks its rollout ``timed_out`` and completes the try; the thread
+is left to finish on its own, and whatever it reports later cannot change the outcome. A try whose
+lease has already run out when its agent would start is not run at all (its retry will be).
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ import asyncio
 import contextvars
 import inspect
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..diagnostics import report_failure
+from ..diagnostics import count, report_failure
 from ..errors import LightningRLError
 from ..records import QueueEntry, RolloutStatus
 from ..store.base import Store
@@ -32,7 +41,7 @@ from ..tracer import rollout_overrides
 class Runner:
     def __init__(self, store: Store, agent: Callable[[Any], Any], *, runner_id: str | None = None,
                  concurrency: int = 8, lease_seconds: float = 60.0, rollout_timeout: float | None = 120.0,
-                 poll: float = 0.05) -> None:
+                 poll: float = 0.05, loop: asyncio.Runner | None = None) -> None:
         self.store = store
         self.agent = agent
         self.runner_id = runner_id or f"runner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -41,7 +50,10 @@ class Runner:
         self.rollout_timeout = rollout_timeout
         self.poll = poll
         self.is_async = inspect.iscoroutinefunction(agent)
-        self._aio: asyncio.Runner | None = None
+        self._aio: asyncio.Runner | None = loop
+        self._owns_loop = loop is None
+        # Store calls never queue behind agents (asyncio's default pool is shared with everything).
+        self._store_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{self.runner_id}-store")
         self._stopping = False
         self._last_busy = time.monotonic()
 
@@ -54,7 +66,7 @@ class Runner:
         groups = list(group_ids)
 
         async def groups_done() -> bool:  # others' leases may still expire and come back
-            return await asyncio.to_thread(self.store.wait_for_groups, groups, timeout=0)
+            return await self._store_call(self.store.wait_for_groups, groups, timeout=0)
 
         self._run(self._drive(groups_done, on_done=on_done))
 
@@ -77,6 +89,9 @@ class Runner:
             self._aio = asyncio.Runner()
         return self._aio.run(coro)
 
+    async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._store_pool, lambda: fn(*args, **kwargs))
+
     async def _drive(self, idle_done: Callable[[], Any], *, max_rollouts: int | None = None,
                      on_done: Callable[[QueueEntry, str], None] | None = None) -> int:
         """The one lease-and-run loop. When nothing runs, ``await idle_done()`` True ends it.
@@ -90,8 +105,9 @@ class Runner:
             if max_rollouts is not None:
                 free = min(free, max_rollouts - ran - len(running))
             if free > 0 and not self._stopping:
+                asked = time.monotonic()  # the lease runs from (at the latest) the moment we asked
                 for entry in await self._lease(free):
-                    running.add(asyncio.create_task(self._run_one(entry, on_done)))
+                    running.add(asyncio.create_task(self._run_one(entry, asked, on_done)))
             if running:
                 self._last_busy = time.monotonic()
                 done, pending = await asyncio.wait(running, timeout=self.poll, return_when=asyncio.FIRST_COMPLETED)
@@ -107,17 +123,18 @@ class Runner:
 
     async def _lease(self, limit: int) -> list[QueueEntry]:
         try:
-            return await asyncio.to_thread(self.store.lease, self.runner_id, lease_seconds=self.lease_seconds,
-                                           limit=limit)
+            return await self._store_call(self.store.lease, self.runner_id, lease_seconds=self.lease_seconds,
+                                          limit=limit)
         except LightningRLError as exc:  # the store is away (a server restart): wait, then try again
             report_failure("runner lease", exc)
             await asyncio.sleep(1.0)
             return []
 
     def close(self) -> None:
-        if self._aio is not None:
+        if self._aio is not None and self._owns_loop:
             self._aio.close()
-            self._aio = None
+        self._aio = None
+        self._store_pool.shutdown(wait=False)
 
     def __enter__(self) -> "Runner":
         return self
@@ -125,36 +142,112 @@ class Runner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def _heartbeat(self, entry: QueueEntry) -> None:
+    async def _heartbeat(self, entry: QueueEntry, lease: "_Lease") -> None:
         while True:
             await asyncio.sleep(self.lease_seconds / 3)
+            sent = time.monotonic()
             try:
-                await asyncio.to_thread(self.store.heartbeat, entry.queue_id, self.runner_id,
-                                        lease_seconds=self.lease_seconds)
+                held = await self._store_call(self.store.heartbeat, entry.queue_id, self.runner_id,
+                                              lease_seconds=self.lease_seconds)
             except LightningRLError as exc:  # the store is away; keep beating, the lease may survive
                 report_failure("runner heartbeat", exc)
+                continue
+            if held:
+                lease.until = sent + self.lease_seconds
+            else:
+                lease.lost = True
+                count("runner_leases_lost")
 
-    async def _run_one(self, entry: QueueEntry, on_done) -> None:
-        beat = asyncio.create_task(self._heartbeat(entry))
-        outcome = RolloutStatus.SUCCEEDED
+    async def _run_one(self, entry: QueueEntry, asked: float, on_done) -> None:
+        lease = _Lease(asked + self.lease_seconds)
+        beat = asyncio.create_task(self._heartbeat(entry, lease))
+        outcome: RolloutStatus | None = RolloutStatus.SUCCEEDED
         overrides = dict(rollout_id=entry.rollout_id, group_id=entry.group_id, attempt=entry.attempt,
                          mode=entry.mode.value, task=entry.task, timeout=self.rollout_timeout)
         try:
             with rollout_overrides(**overrides):
                 if self.is_async:
+                    if lease.expired():
+                        raise _LeaseGone
                     await self.agent(entry.task)
                 else:
-                    ctx = contextvars.copy_context()
-                    await asyncio.to_thread(ctx.run, self.agent, entry.task)
+                    await self._run_sync(entry, lease)
+        except _LeaseGone:
+            outcome = None  # never started: the queue retries the try under a new rollout id
+            count("runner_tries_not_started_lease_expired")
         except (TimeoutError, asyncio.TimeoutError):
             outcome = RolloutStatus.TIMED_OUT
         except Exception:
             outcome = RolloutStatus.FAILED  # recorded on the rollout by @trace; never a success
         finally:
             beat.cancel()
-        await asyncio.to_thread(self.store.complete, entry.queue_id, self.runner_id, outcome)
+        if outcome is None:
+            return
+        await self._complete(entry, outcome)
         if on_done is not None:
             on_done(entry, outcome.value)
+
+    async def _run_sync(self, entry: QueueEntry, lease: "_Lease") -> None:
+        """Run a sync agent in a thread of its own; stop waiting for it after the rollout timeout."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        ctx = contextvars.copy_context()
+
+        def settle(error: BaseException | None) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(None)
+
+        def target() -> None:
+            error: BaseException | None = None
+            if lease.expired():  # it waited too long to start: another runner may hold the try now
+                error = _LeaseGone()
+            else:
+                try:
+                    ctx.run(self.agent, entry.task)
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                    error = exc
+            try:
+                loop.call_soon_threadsafe(settle, error)
+            except RuntimeError:  # the loop is closed: nobody waits for this try any more
+                pass
+
+        threading.Thread(target=target, name=f"{self.runner_id}-agent", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self.rollout_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            count("runner_sync_agents_abandoned")
+            reason = (f"rollout timeout of {self.rollout_timeout:g} s: the sync agent was still running; "
+                      "its thread was left to finish, and its result is not used")
+            self.store.expire_rollout(entry, reason)
+            raise
+
+    async def _complete(self, entry: QueueEntry, outcome: RolloutStatus) -> None:
+        """Record the outcome; while the store is away, keep trying for as long as a lease lasts."""
+        deadline = time.monotonic() + self.lease_seconds
+        while True:
+            try:
+                await self._store_call(self.store.complete, entry.queue_id, self.runner_id, outcome)
+                return
+            except LightningRLError as exc:
+                report_failure("runner complete", exc)
+                if time.monotonic() >= deadline:
+                    return  # the lease expires and the try is retried; its rollout is kept
+                await asyncio.sleep(1.0)
+
+
+class _LeaseGone(Exception):
+    """The lease ran out before the agent could start."""
+
+
+class _Lease:
+    __slots__ = ("until", "lost")
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self.lost = False
+
+    def expired(self) -> bool:
+        return self.lost or time.monotonic() >= self.until
 
 
 def agent_reference(agent: Callable[[Any], Any]) -> str:

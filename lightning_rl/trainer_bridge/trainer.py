@@ -9,6 +9,7 @@ held-out evaluation before and after (``mode="eval"``). ``plot_metrics`` draws r
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import random
@@ -78,6 +79,9 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self._rng = random.Random(self.seed)
         self._runners: dict[int, Runner] = {}
+        # One event loop for every runner of this trainer (evaluation and training): async clients
+        # such as AsyncOpenAI's connection pool are bound to the loop they first ran on.
+        self._loop: asyncio.Runner | None = None
 
     # -- rollouts -----------------------------------------------------------------------------------
     def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
@@ -91,10 +95,12 @@ class Trainer:
             return groups
         bar = _bar(len(tasks) * n, desc, self.progress)
         runner = self._runners.get(id(agent))
-        if runner is None:  # one runner (and event loop) per agent for the whole run
+        if runner is None:  # one runner per agent for the whole run, all on the trainer's one loop
+            if self._loop is None:
+                self._loop = asyncio.Runner()
             runner = self._runners[id(agent)] = Runner(
                 self.store, agent, concurrency=self.concurrency, lease_seconds=self.lease_seconds,
-                rollout_timeout=self.rollout_timeout)
+                rollout_timeout=self.rollout_timeout, loop=self._loop)
         runner.run_until_done(groups, on_done=lambda entry, outcome: bar.update(1))
         bar.close()
         return groups
@@ -158,9 +164,17 @@ class Trainer:
             self._log(history, {"step": self.steps, "eval_success": result.eval_after,
                                 "policy_version": history[-1]["policy_version"], "time_s": round(time.time() - started, 1)})
         result.plot_path = plot_metrics(self.metrics_path, self.out_dir / "reward.png")
+        self.close()
+        return result
+
+    def close(self) -> None:
+        """Stop the runners and their event loop (``fit`` does it at the end)."""
         for runner in self._runners.values():
             runner.close()
-        return result
+        self._runners.clear()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
     def _log(self, history: list[dict[str, Any]], line: dict[str, Any]) -> None:
         history.append(line)

@@ -91,3 +91,25 @@ def test_enqueue_once_is_idempotent_for_a_group(store):
     first = store.enqueue({"q": 1}, n=3, group_id="g-1", once=True)
     again = store.enqueue({"q": 1}, n=3, group_id="g-1", once=True)  # a retried request
     assert [e.queue_id for e in again] == [e.queue_id for e in first] and len(store.queue_entries(["g-1"])) == 3
+
+
+@pytest.mark.parametrize("started", ["never", "after expiry", "finished before expiry"])
+def test_an_expired_try_stays_timed_out_whatever_its_agent_reports(store, started):
+    (entry,) = store.enqueue({"q": 1}, n=1)
+    (first,) = store.lease("slow", lease_seconds=0.1)
+    late = lrl.Rollout(rollout_id=first.rollout_id, task={"q": 1}, group_id=first.group_id)
+    if started == "finished before expiry":  # the agent succeeded, its runner missed the lease
+        store.start_rollout(late)
+        store.finish_rollout(first.rollout_id, RolloutStatus.SUCCEEDED, time.time(), None)
+        store.flush()
+    time.sleep(0.2)
+    (retry,) = store.lease("other", lease_seconds=10)
+    store.flush()
+    if started == "after expiry":  # the agent starts only now, and succeeds
+        store.start_rollout(late)
+        store.finish_rollout(first.rollout_id, RolloutStatus.SUCCEEDED, time.time(), None)
+        store.flush()
+    expired = store.get_rollout(first.rollout_id)  # never started: a timed_out row all the same
+    assert expired.status == RolloutStatus.TIMED_OUT and "lease" in expired.error
+    assert retry.rollout_id != first.rollout_id
+    assert [r.rollout_id for r in store.rollouts(status="succeeded")] == []
