@@ -7,7 +7,9 @@ When the server cannot be reached (or answers 5xx) for about a second, the batch
 local spill file instead, and so is everything after it, in order, until the server answers again;
 then the spill files are replayed, oldest first, before anything newer. The agent's only wait is
 the flush at the end of its rollout, which returns once its records are on the server or in a spill
-file. A batch the server refuses (4xx: a bug or bad input, not an outage) is kept in a
+file: about a second at most, also when the server accepts connections and never answers (writes
+and probes have short timeouts). ``complete`` waits for the backlog: a try's outcome never reaches
+the server before the rollout it reports on. A batch the server refuses (4xx: a bug or bad input, not an outage) is kept in a
 ``rejected-*`` file with the server's reason and reported; it is never dropped silently.
 
 Spill files live in ``LIGHTNING_RL_SPILL_DIR`` (default ``~/.cache/lightning-rl/spill/<host>_<port>``).
@@ -40,12 +42,18 @@ from ..settings import Settings
 from . import wire
 from .base import Store
 from .lifecycle import track
+from .spill import SpillFiles
 from .writer import BackgroundWriter
 
 ENV_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
 ENV_SPILL_DIR = "LIGHTNING_RL_SPILL_DIR"
 _RETRY_DELAYS = (0.05, 0.2, 0.5)  # a batch is spilled after these (about 0.75 s of trying)
 _PROBE_EVERY = 0.5  # while spilling, the server is tried again at most this often
+# A write the agent may be waiting for (its rollout's flush) gets about a second in all, also when
+# the server accepts connections and never answers; so does a probe of a server that was away.
+_WRITE_BUDGET = 1.0
+_QUICK = httpx.Timeout(1.0, connect=0.5)
+_PROBE = httpx.Timeout(0.5, connect=0.5)
 _BATCH_BYTES = 8 * 2**20
 
 
@@ -59,65 +67,6 @@ class _Rejected(Exception):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class SpillFiles:
-    """Ordered local backlog of ops (one JSON line each) for one server, owned by one process."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.files: list[Path] = []
-        self.last_failure = 0.0
-
-    def adopt_orphans(self) -> None:
-        """Claim the spill files of processes that are gone (a rename, so only one process gets each)."""
-        if not self.folder.is_dir():
-            return
-        for path in sorted(self.folder.glob("*.jsonl")):
-            try:
-                pid = int(path.stem.split("-")[1])
-            except (IndexError, ValueError):
-                continue
-            if pid == os.getpid() or _pid_alive(pid):
-                continue
-            claimed = path.with_name(f"{path.stem.split('-')[0]}-{os.getpid()}-adopted.jsonl")
-            try:
-                os.rename(path, claimed)
-            except OSError:
-                continue  # another process claimed it first
-            self.files.append(claimed)
-            count("spill_files_adopted")
-        self.files.sort()
-
-    def append(self, ops: list[bytes]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        target = self.folder / f"{time.time_ns():020d}-{os.getpid()}.jsonl"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(b"\n".join(ops) + b"\n")
-        os.replace(tmp, target)
-        self.files.append(target)
-        count("spilled_ops", len(ops))
-
-    def reject(self, ops: list[bytes], reason: str) -> Path:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        target = self.folder / f"rejected-{time.time_ns():020d}-{os.getpid()}.jsonl"
-        target.write_bytes(orjson.dumps({"reason": reason}) + b"\n" + b"\n".join(ops) + b"\n")
-        count("rejected_ops", len(ops))
-        return target
-
-    @staticmethod
-    def read(path: Path) -> list[bytes]:
-        return [line for line in path.read_bytes().splitlines() if line]
 
 
 def _default_spill_dir(url: str) -> Path:
@@ -140,8 +89,8 @@ class HttpStore(Store):
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
-        self._client_args = dict(base_url=self.url + wire.API_PREFIX, headers=headers,
-                                 timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
+        self._timeout = httpx.Timeout(timeout, connect=min(timeout, 3.0))
+        self._client_args = dict(base_url=self.url + wire.API_PREFIX, headers=headers, timeout=self._timeout)
         self._client = httpx.Client(**self._client_args)
         self._retry_for = retry_for
         self._batch_ops = max(1, min(batch_ops, wire.MAX_BATCH_OPS))
@@ -232,15 +181,18 @@ class HttpStore(Store):
                 return
 
     def _replay(self, force: bool = False) -> bool:
-        """Send the spill files, oldest first. True when none is left."""
+        """Send the spill files, oldest first. True when none is left. The first request is a short
+        probe; once the server has answered, the rest go with the normal timeout."""
         if not force and time.monotonic() - self._spill.last_failure < _PROBE_EVERY:
             return False
+        timeout, budget = _PROBE, 0.0
         while self._spill.files:
             path = self._spill.files[0]
             try:
                 ops = SpillFiles.read(path)
                 for start in range(0, len(ops), self._batch_ops):
-                    self._post_ops(ops[start:start + self._batch_ops])
+                    self._post_ops(ops[start:start + self._batch_ops], timeout=timeout, budget=budget)
+                    timeout, budget = self._timeout, _WRITE_BUDGET
             except _Unreachable:
                 self._spill.last_failure = time.monotonic()
                 return False
@@ -253,7 +205,7 @@ class HttpStore(Store):
             count("spill_files_replayed")
         return True
 
-    def _post_ops(self, ops: list[bytes]) -> None:
+    def _post_ops(self, ops: list[bytes], *, timeout: httpx.Timeout = _QUICK, budget: float = _WRITE_BUDGET) -> None:
         """POST ops as batches under the size bound; 4xx batches are set aside (split first if 413)."""
         batches, current, size = [], [], 0
         for op in ops:
@@ -266,24 +218,26 @@ class HttpStore(Store):
             batches.append(current)
         for batch in batches:
             try:
-                self._post_batch(batch)
+                self._post_batch(batch, timeout=timeout, budget=budget)
             except _Rejected as exc:
                 if exc.status == 413 and len(batch) > 1:
                     half = len(batch) // 2
-                    self._post_ops(batch[:half])
-                    self._post_ops(batch[half:])
+                    self._post_ops(batch[:half], timeout=timeout, budget=budget)
+                    self._post_ops(batch[half:], timeout=timeout, budget=budget)
                     continue
                 where = self._spill.reject(batch, str(exc))
                 report_failure("store server refused a batch", message=(
                     f"lightning-rl: the store server refused {len(batch)} records ({exc}); kept in {where}"))
 
-    def _post_batch(self, ops: list[bytes]) -> None:
+    def _post_batch(self, ops: list[bytes], *, timeout: httpx.Timeout, budget: float) -> None:
+        """POST one batch, retrying within ``budget`` seconds (each request under ``timeout``)."""
         body = wire.batch_body(ops)
         last: Exception | None = None
+        deadline = time.monotonic() + budget
         for delay in (*_RETRY_DELAYS, None):
             t0 = time.perf_counter()
             try:
-                resp = self._client.post("/batch", content=body)
+                resp = self._client.post("/batch", content=body, timeout=timeout)
             except httpx.HTTPError as exc:
                 last = exc
             else:
@@ -294,7 +248,7 @@ class HttpStore(Store):
                 if resp.status_code < 500 and resp.status_code not in (408, 429):
                     raise _Rejected(resp.status_code, resp.text[:2000])
                 last = StoreError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            if delay is None:
+            if delay is None or time.monotonic() + delay >= deadline:
                 break
             time.sleep(delay)
         raise _Unreachable(f"{type(last).__name__}: {last}")
@@ -389,9 +343,28 @@ class HttpStore(Store):
                              json=dict(queue_id=queue_id, runner=runner, lease_seconds=lease_seconds))["ok"]
 
     def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
-        self.flush()  # the rollout's records reach the server (or a spill file) before its outcome
+        """As :meth:`Store.complete`, once this process's records are on the server: an outcome never
+        overtakes the rollout it reports on. While a spilled backlog cannot be written back (for
+        ``retry_for`` seconds) it raises :class:`StoreError`, and the try's lease runs on."""
+        self._drain(self._retry_for)
         return self._request("POST", "/queue/complete",
                              json=dict(queue_id=queue_id, runner=runner, outcome=RolloutStatus(outcome).value))["ok"]
+
+    def _drain(self, timeout: float) -> None:
+        """Wait until everything written so far is on the server, spilled backlog included."""
+        deadline = time.monotonic() + timeout
+        self.flush(timeout)
+        while self._spill.files:
+            if time.monotonic() >= deadline:
+                raise StoreError(f"{len(self._spill.files)} spill file(s) of this process are not on the store server "
+                                 f"{self.url} yet; an outcome is only recorded after the records it reports on")
+            try:
+                self._writer.put("replay", None)
+            except RuntimeError:  # closed
+                break
+            self.flush(max(0.0, deadline - time.monotonic()))
+            if self._spill.files:
+                time.sleep(0.1)
 
     def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
         data = self._request("POST", "/queue/entries", json={"group_ids": list(group_ids) if group_ids is not None else None})

@@ -388,14 +388,15 @@ class BackgroundServer:
     ``with BackgroundServer("runs.db") as srv: open_store(srv.url)``. Port 0 picks a free port."""
 
     def __init__(self, db: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+                 token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+                 store_options: dict[str, Any] | None = None) -> None:
         import socket
 
         import uvicorn
 
         from .sqlite_store import SQLiteStore
 
-        self.store = SQLiteStore(db)
+        self.store = SQLiteStore(db, **(store_options or {}))
         guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -6,7 +6,9 @@
 * Several processes may write one file: WAL, ``BEGIN IMMEDIATE`` and a busy timeout; a retried
   batch cannot duplicate spans (unique ``(rollout_id, seq)``).
 * A batch that cannot be written for ``give_up_after`` seconds is spilled to
-  ``<db>.spill/*.jsonl`` and replayed the next time the store is opened.
+  ``<db>.spill/*.jsonl``, and so is everything after it, in order, until the writer has replayed
+  the backlog (it tries every second while the store is open). A store opened later adopts the
+  spill files of processes that are gone.
 * Files that are not lightning-rl stores, or come from a newer schema, are refused untouched.
 """
 
@@ -33,6 +35,7 @@ from .rows import (
     REWARD_COLUMNS, ROLLOUT_COLUMNS, SPAN_COLUMNS, reward_from_values, reward_values,
     rollout_from_values, rollout_values, span_from_values, span_record_values, span_values,
 )
+from .spill import SpillFiles
 from .writer import BackgroundWriter
 
 _INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
@@ -102,11 +105,15 @@ class SQLiteStore(Store):
         self._rlock = threading.Lock()
         self._qconn = connect(self.path, self._busy_timeout)
         self._qlock = threading.Lock()
+        self._spills = SpillFiles(Path(self.path + ".spill"))
+        self._spills.adopt_orphans(own=_claim_spill_folder(self._spills.folder))
         self._writer = BackgroundWriter(
             self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",
-            spill=self._spill, give_up_after=self._give_up_after,
+            spill=self._spill, replay=self._replay, backlog=lambda: bool(self._spills.files),
+            give_up_after=self._give_up_after,
         )
-        self._replay_spills()
+        if self._spills.files:
+            self._writer.flush(0)  # wakes the writer, which writes the backlog back first
 
     # -- sink (called by the tracer; never blocks except for back-pressure) -------------------------
     def start_rollout(self, rollout: Rollout) -> None:
@@ -131,9 +138,17 @@ class SQLiteStore(Store):
         return self._writer.flush(timeout)
 
     def write_batch(self, items: list[tuple[str, Any]]) -> None:
+        """The store server's write path: returns once the items are in the database. Items kept in a
+        spill file (the database is unwritable) are not acknowledged: StoreError, and the client retries
+        (idempotently) after the backlog has been written back, so no later op overtakes them."""
         self._writer.put_many(items)
-        if not self.flush(Settings.from_env().flush_timeout):
-            raise StoreError(f"{len(items)} records are queued but were not confirmed on disk in {self.path!r} in time")
+        if not self._writer.flush_applied(Settings.from_env().flush_timeout):
+            raise StoreError(f"{len(items)} records are not in {self.path!r} yet (the database could not be written; "
+                             "they are kept in its spill file and written back when it can be)")
+
+    @property
+    def spill_files(self) -> list[Path]:
+        return list(self._spills.files)
 
     @property
     def pending_writes(self) -> int:
@@ -161,6 +176,12 @@ class SQLiteStore(Store):
             return
         self._closed = True
         self._writer.close()
+        if self._spills.files:
+            try:
+                self._replay()  # one last try; what stays is adopted by the next open
+            except Exception as exc:
+                report_failure("spill replay", exc)
+        _release_spill_folder(self._spills.folder)
         for conn in (self._wconn, self._rconn, self._qconn):
             try:
                 conn.close()
@@ -211,9 +232,6 @@ class SQLiteStore(Store):
                 conn.execute("ROLLBACK")
             raise
 
-    def _spill_dir(self) -> Path:
-        return Path(self.path + ".spill")
-
     def _spill(self, items: list[tuple[str, Any]]) -> None:
         lines = []
         for kind, payload in items:
@@ -224,30 +242,25 @@ class SQLiteStore(Store):
             elif kind == "reward" and isinstance(payload, Reward):
                 payload = reward_values(payload)
             lines.append(orjson.dumps({"kind": kind, "payload": payload}))
-        folder = self._spill_dir()
-        folder.mkdir(exist_ok=True)
-        target = folder / f"{os.getpid()}-{time.time_ns()}.jsonl"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(b"\n".join(lines) + b"\n")
-        os.replace(tmp, target)
-        report_failure("spill", message=f"lightning-rl: store {self.path!r} unwritable; {len(items)} records spilled to {target} (replayed on next open)")
+        self._spills.append(lines)
+        report_failure("spill", message=f"lightning-rl: store {self.path!r} unwritable; records spilled to "
+                                        f"{self._spills.folder} (written back, in order, when it can be)")
 
-    def _replay_spills(self) -> None:
-        folder = self._spill_dir()
-        if not folder.is_dir():
-            return
-        for file in sorted(folder.glob("*.jsonl")):
-            try:
-                items = [(d["kind"], d["payload"]) for d in map(orjson.loads, file.read_bytes().splitlines()) if d]
-                self._apply(items)
-                file.unlink()
-                count("spill_files_replayed")
-            except Exception as exc:
-                report_failure("spill replay", exc)
+    def _replay(self) -> bool:
+        """Write the spill files back, oldest first (writer thread). True when none is left."""
+        while self._spills.files:
+            path = self._spills.files[0]
+            items = [(d["kind"], d["payload"]) for d in map(orjson.loads, SpillFiles.read(path))]
+            self._apply(items)
+            path.unlink()
+            self._spills.files.pop(0)
+            count("spill_files_replayed")
+        return True
 
     def _after_fork(self) -> None:
         """In a forked child: fresh connections and writer; the parent writes what it had queued."""
         self._closed = False
+        _spill_folders_in_use.clear()  # the parent's stores are not open in this process
         self._open()
 
     # -- task queue: synchronous, atomic across processes ------------------------------------------
@@ -301,6 +314,24 @@ class SQLiteStore(Store):
         self._writer.put("reward", reward)
         if not self.flush(Settings.from_env().flush_timeout):
             raise StoreError(f"reward for {reward.rollout_id!r} queued but not confirmed on disk in {self.path!r} in time")
+
+
+# Spill folders of stores open in this process: a store opened on a folder nobody here uses may take
+# this process's own leftover files too (a store closed with a backlog, then opened again).
+_spill_folders_in_use: set[Path] = set()
+_spill_folders_lock = threading.Lock()
+
+
+def _claim_spill_folder(folder: Path) -> bool:
+    with _spill_folders_lock:
+        first = folder not in _spill_folders_in_use
+        _spill_folders_in_use.add(folder)
+        return first
+
+
+def _release_spill_folder(folder: Path) -> None:
+    with _spill_folders_lock:
+        _spill_folders_in_use.discard(folder)
 
 
 class _SQLiteQueueView:

@@ -4,7 +4,11 @@ Producers call ``put``; when the queue holds ``maxsize`` items they wait (back-p
 dropping anything. The writer thread takes everything queued as one batch and hands it to
 ``apply``. A batch that keeps failing is retried with backoff for ``give_up_after`` seconds and then
 handed to ``spill`` (a file next to the store) so that it is kept, never silently lost.
-``flush`` returns once everything put before it has been applied.
+
+Order is kept: once a batch is spilled, every later batch is spilled behind it until ``replay``
+(tried every ``replay_every`` seconds, also while nothing new arrives) has written the backlog
+back. ``flush`` returns once everything put before it has been applied or spilled; ``flush_applied``
+says whether it was applied.
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ from ..diagnostics import count, report_failure
 FLUSH = "flush"
 
 
+class _Marker:
+    """A flush marker: set once everything queued before it is applied (or spilled)."""
+
+    __slots__ = ("event", "spilled")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.spilled = False
+
+
 class BackgroundWriter:
     def __init__(
         self,
@@ -27,13 +41,20 @@ class BackgroundWriter:
         maxsize: int = 8192,
         name: str = "lightning-rl-writer",
         spill: Callable[[list[tuple[str, Any]]], None] | None = None,
+        replay: Callable[[], bool] | None = None,
+        backlog: Callable[[], bool] | None = None,
         give_up_after: float = 30.0,
+        replay_every: float = 1.0,
         linger: float = 0.002,
     ) -> None:
         self._apply = apply
         self._linger = linger
         self._linger_below = max(1, maxsize // 4)
         self._spill = spill
+        self._replay = replay
+        self._backlog = backlog or (lambda: False)
+        self._replay_every = replay_every
+        self._last_replay = 0.0
         self._maxsize = maxsize
         self._give_up_after = give_up_after
         self._name = name
@@ -71,18 +92,31 @@ class BackgroundWriter:
                 self._not_empty.notify()
 
     def flush(self, timeout: float | None = None) -> bool:
+        """True once everything put before is applied or spilled (False on timeout)."""
+        marker = self._flush(timeout)
+        return marker is None or marker.event.is_set()
+
+    def flush_applied(self, timeout: float | None = None) -> bool:
+        """True once everything put before is applied; False on timeout or while it waits in a spill file."""
+        marker = self._flush(timeout)
+        return marker is None or (marker.event.is_set() and not marker.spilled)
+
+    def _flush(self, timeout: float | None) -> _Marker | None:
         if threading.current_thread() is self._thread:
-            return True
-        event = threading.Event()
+            return None
         with self._lock:
             if self._closed and not self._thread.is_alive():
-                return True
+                return None
+        marker = _Marker()
         try:
-            self.put(FLUSH, event)
+            self.put(FLUSH, marker)
         except RuntimeError:
             self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return event.wait(timeout)
+            if self._thread.is_alive():
+                return marker  # not set: timed out
+            return None
+        marker.event.wait(timeout)
+        return marker
 
     def close(self, timeout: float | None = 60.0) -> None:
         with self._lock:
@@ -100,36 +134,77 @@ class BackgroundWriter:
         while True:
             with self._lock:
                 while not self._buf and not self._closed:
-                    self._not_empty.wait()
+                    if self._replay is not None and self._backlog():
+                        # Idle with a backlog: wake up now and then to write it back.
+                        if not self._not_empty.wait(self._replay_every) and not self._buf:
+                            break
+                    else:
+                        self._not_empty.wait()
                 if not self._buf:
-                    return
-                batch, self._buf = self._buf, []
-                self._not_full.notify_all()
+                    if self._closed:
+                        return
+                    batch = []
+                else:
+                    batch, self._buf = self._buf, []
+                    self._not_full.notify_all()
+            if not batch:
+                self._try_replay()
+                continue
             self._apply_with_retry(batch)
             if len(batch) < self._linger_below and not self._closed:
                 # Small batches: wait a moment so that the next one is bigger and producers rarely
                 # have to wake this thread (a flush marker still goes through within a few ms).
                 time.sleep(self._linger)
 
+    def _try_replay(self) -> bool:
+        """Write the backlog back (at most every ``replay_every`` s). True when none is left."""
+        if self._replay is None or not self._backlog():
+            return True
+        now = time.monotonic()
+        if now - self._last_replay < self._replay_every:
+            return False
+        self._last_replay = now
+        try:
+            return self._replay()
+        except Exception as exc:
+            report_failure("spill replay", exc)
+            return False
+
+    def _spill_or_retry(self, items: list[tuple[str, Any]]) -> bool:
+        try:
+            self._spill(items)
+        except Exception as spill_exc:  # keep retrying: dropping is not an option
+            report_failure("spill", spill_exc)
+            return False
+        count("spilled_batches")
+        return True
+
     def _apply_with_retry(self, batch: list[tuple[str, Any]]) -> None:
-        events = [payload for kind, payload in batch if kind == FLUSH]
-        items = [item for item in batch if item[0] != FLUSH] if events else batch
+        markers = [payload for kind, payload in batch if kind == FLUSH]
+        items = [item for item in batch if item[0] != FLUSH] if markers else batch
+        spilled = False
+        if items and self._spill is not None and not self._try_replay():
+            # A backlog is waiting: nothing may overtake it, so this batch goes behind it.
+            spilled = self._spill_or_retry(items)
         deadline = time.monotonic() + self._give_up_after
         delay = 0.02
-        while items:
+        while items and not spilled:
             try:
                 self._apply(items)
                 break
             except Exception as exc:
                 report_failure("store write", exc)
                 if time.monotonic() >= deadline and self._spill is not None:
-                    try:
-                        self._spill(items)
-                        count("spilled_batches")
+                    spilled = self._spill_or_retry(items)
+                    if spilled:
+                        self._last_replay = time.monotonic()
                         break
-                    except Exception as spill_exc:  # keep retrying: dropping is not an option
-                        report_failure("spill", spill_exc)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        for event in events:
-            event.set()
+        backlog = self._backlog() if self._replay is not None else spilled
+        for marker in markers:
+            if isinstance(marker, _Marker):
+                marker.spilled = backlog
+                marker.event.set()
+            else:
+                marker.set()

@@ -193,6 +193,78 @@ def test_server_down_spills_locally_and_replays_in_order(tmp_path):
     client.close()
 
 
+def test_a_batch_the_database_could_not_take_is_not_acknowledged(tmp_path):
+    # The server's file is locked: the batch lands in the server's spill file, which is not the
+    # database. Answering 200 would let another worker refuse later ops of the same rollout (422).
+    db = tmp_path / "locked.db"
+    options = dict(busy_timeout=0.05, give_up_after=0.3)
+    with BackgroundServer(db, store_options=options) as srv, httpx.Client(base_url=srv.url + "/v1") as http:
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        body = {"ops": [_start_op("r1"), _span_op("r1", 0)]}
+        first = http.post("/batch", json=body, timeout=30)
+        assert first.status_code == 503 and "retry" in first.json()["error"]
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        deadline = time.monotonic() + 15
+        while (again := http.post("/batch", json=body, timeout=30)).status_code == 503:  # what a client does
+            assert time.monotonic() < deadline, "the server's backlog was not written back"
+            time.sleep(0.2)
+        assert again.status_code == 200 and not srv.store.spill_files
+        assert http.post("/batch", json={"ops": [{"op": "finish_rollout", "rollout_id": "r1", "status": "succeeded",
+                                                   "end_time": 2.0, "error": None}]}).status_code == 200
+        srv.store.flush()
+        assert _rows(db)[:2] == (1, 1)
+        assert srv.store.get_rollout("r1").status == RolloutStatus.SUCCEEDED
+
+
+def test_complete_never_overtakes_the_records_it_reports_on(tmp_path):
+    port = _free_port()
+    db = tmp_path / "queue.db"
+    client = HttpStore(f"http://127.0.0.1:{port}", spill_dir=tmp_path / "spill", retry_for=20)
+    with BackgroundServer(db, port=port):
+        (entry,) = client.enqueue({"q": 1}, n=1)
+        (leased,) = client.lease("r1", lease_seconds=60)
+    lrl.configure(store=client)
+
+    @lrl.trace
+    def agent(task):
+        return 1.0
+
+    with lrl.rollout_overrides(rollout_id=leased.rollout_id, group_id=leased.group_id, task=leased.task):
+        agent(leased.task)  # the server is down: the rollout is in the local spill file
+    assert client.spill_files
+    with BackgroundServer(db, port=port) as srv:
+        assert client.complete(leased.queue_id, "r1", RolloutStatus.SUCCEEDED)
+        # the outcome says succeeded only once the rollout it describes is on the server
+        assert srv.store.get_rollout(leased.rollout_id).status == RolloutStatus.SUCCEEDED
+    client.close()
+
+
+def test_a_server_that_never_answers_costs_the_agent_about_a_second(tmp_path):
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # accepts connections (the kernel does), never answers
+    client = HttpStore(f"http://127.0.0.1:{hung.getsockname()[1]}", spill_dir=tmp_path / "spill", retry_for=1)
+    lrl.configure(store=client)
+
+    @lrl.trace
+    def agent(task):
+        with lrl.tool_span("step"):
+            pass
+        return 1.0
+
+    waits = []
+    for i in range(4):
+        t0 = time.monotonic()
+        agent({"i": i})
+        waits.append(time.monotonic() - t0)
+    assert waits[0] < 2.5 and max(waits[1:]) < 1.5, waits
+    assert client.spill_files  # nothing lost: everything is waiting in the spill file
+    client.close()
+    hung.close()
+
+
 def test_refused_records_are_kept_aside_not_dropped(server, tmp_path):
     client = HttpStore(server.url, token=TOKEN, spill_dir=tmp_path / "spill", retry_for=2)
     client.add_spans([llm_span("never-started", 0, 0, [1], [2])])  # no start_rollout: the server says 422

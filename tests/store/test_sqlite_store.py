@@ -6,6 +6,7 @@ import hashlib
 import multiprocessing as mp
 import sqlite3
 import threading
+import time
 
 import pytest
 
@@ -112,6 +113,31 @@ def test_unwritable_store_spills_and_replays_without_duplicates(tmp_path):
     with SQLiteStore(path) as again:  # replayed on open
         assert [sp.seq for sp in again.spans("r1")] == list(range(50))
         assert not list((tmp_path / "runs.db.spill").glob("*.jsonl"))
+
+
+def test_a_spill_keeps_order_and_is_written_back_while_the_store_is_open(tmp_path):
+    # The start of a rollout is spilled (the file is locked); its reward and finish come after the
+    # lock is gone. They must not overtake the start, and nobody has to reopen the store.
+    path = tmp_path / "runs.db"
+    rejected = lrl.stats().get("rejected_status_transitions", 0)
+    s = SQLiteStore(path, busy_timeout=0.05, give_up_after=0.3)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    s.start_rollout(rollout("r1"))
+    assert s.flush(10) and s.spill_files
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    s.write_reward(lrl.Reward(rollout_id="r1", value=1.0))
+    s.finish_rollout("r1", RolloutStatus.SUCCEEDED, 2.0, None)
+    assert s.flush(10)
+    deadline = time.monotonic() + 10
+    while s.spill_files and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not s.spill_files
+    assert s.get_rollout("r1").status == RolloutStatus.SUCCEEDED
+    assert [r.value for r in s.rewards("r1")] == [1.0]
+    assert lrl.stats().get("rejected_status_transitions", 0) == rejected  # the finish found its rollout
+    s.close()
 
 
 def _writer_process(path: str, worker: int, n: int) -> None:

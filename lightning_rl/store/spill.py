@@ -1,0 +1,81 @@
+"""Spill files: an ordered local backlog of records that could not be written where they belong.
+
+A store that cannot reach its database (a locked or full disk, a store server that does not answer)
+appends the records to a spill file instead of dropping them, and so does everything after them,
+in order, until the backlog has been replayed. One process owns its files (the pid is in the name);
+the files of processes that are gone are adopted by the next process that opens the same folder.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import orjson
+
+from ..diagnostics import count
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or not a pid at all
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SpillFiles:
+    """Ordered local backlog of records (one JSON line each), owned by one process."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.files: list[Path] = []
+        self.last_failure = 0.0
+
+    def adopt_orphans(self, *, own: bool = False) -> None:
+        """Claim the spill files of processes that are gone (a rename, so only one process gets each);
+        with ``own``, also this process's files (nothing else in this process uses the folder)."""
+        if not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.glob("*.jsonl")):
+            try:
+                pid = int(path.stem.split("-")[1])
+            except (IndexError, ValueError):
+                continue
+            if pid == os.getpid():
+                if own and path not in self.files:
+                    self.files.append(path)
+                continue
+            if _pid_alive(pid):
+                continue
+            claimed = path.with_name(f"{path.stem.split('-')[0]}-{os.getpid()}-adopted.jsonl")
+            try:
+                os.rename(path, claimed)
+            except OSError:
+                continue  # another process claimed it first
+            self.files.append(claimed)
+            count("spill_files_adopted")
+        self.files.sort()
+
+    def append(self, ops: list[bytes]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        target = self.folder / f"{time.time_ns():020d}-{os.getpid()}.jsonl"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(b"\n".join(ops) + b"\n")
+        os.replace(tmp, target)
+        self.files.append(target)
+        count("spilled_ops", len(ops))
+
+    def reject(self, ops: list[bytes], reason: str) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        target = self.folder / f"rejected-{time.time_ns():020d}-{os.getpid()}.jsonl"
+        target.write_bytes(orjson.dumps({"reason": reason}) + b"\n" + b"\n".join(ops) + b"\n")
+        count("rejected_ops", len(ops))
+        return target
+
+    @staticmethod
+    def read(path: Path) -> list[bytes]:
+        return [line for line in path.read_bytes().splitlines() if line]
