@@ -12,6 +12,7 @@ from . import diagnostics
 from .settings import check_mode
 from .store import Store
 from .store import open_store as _open_store
+from .store.uri import same_store
 from .tracer.provider import add_span_processors, tracing
 from .tracer.sink import SpanSink
 
@@ -36,6 +37,8 @@ def configure(
     """Set where rollouts go and how they are captured; returns the store in use.
 
     ``store``: a URL/path, a Store, or any object implementing ``tracer.SpanSink`` (default: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``).
+    A URL naming the store already in use keeps it: calling ``configure`` again (a verl agent loop per
+    sample, a runner per task) opens nothing new.
     ``span_processors``: the user's own OTel processors (e.g. an exporter) that also get our spans.
     """
     settings = tracing.settings
@@ -49,7 +52,13 @@ def configure(
         tracing.set_policy_version(policy_version)
     add_span_processors(span_processors)
     if store is not _UNSET and store is not None:
-        tracing.set_sink(store if isinstance(store, (Store, SpanSink)) else _open_store(store))
+        if isinstance(store, (Store, SpanSink)):
+            tracing.set_sink(store)
+        else:
+            current = tracing.current_sink()
+            url = getattr(current, "url", None)
+            if not (url and same_store(url, store)):  # the same URL again keeps the open store
+                tracing.set_sink(_open_store(store))
     return tracing.sink()
 
 

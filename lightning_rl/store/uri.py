@@ -10,35 +10,54 @@ from .base import Store
 SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://", "http(s)://HOST:PORT (lightning-rl store serve)")
 
 
-def open_store(url: str | os.PathLike[str] | None = None) -> Store:
-    """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, ``memory://``, or
-    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``).
-    Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``."""
+def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
+    """``(kind, location)``: ``("memory", "")``, ``("http", url)`` or ``("sqlite", path)``."""
     if url is None:
         from ..settings import Settings
 
         url = Settings.from_env().store
     url = os.fspath(url)
     if url.startswith("memory://"):
-        from .memory_store import InMemoryStore
-
-        return InMemoryStore()
+        return "memory", ""
     if url.startswith(("http://", "https://")):
-        from .http_store import HttpStore
-
-        return HttpStore(url)
+        return "http", url.rstrip("/")
     if url.startswith("sqlite://"):
         path = url[len("sqlite://"):]
         if not path.startswith("/") or path == "/":
             raise ConfigurationError(f"store URL {url!r} has no path; write sqlite:///runs.db (three slashes)")
-        path = path[1:]  # sqlite:///runs.db -> runs.db ; sqlite:////abs -> /abs
-    elif "://" in url:
+        return "sqlite", path[1:]  # sqlite:///runs.db -> runs.db ; sqlite:////abs -> /abs
+    if "://" in url:
         scheme = url.split("://", 1)[0]
         raise ConfigurationError(
             f"store URL scheme {scheme!r} in {url!r} is not supported; use one of: {', '.join(SCHEMES)}"
         )
-    else:
-        path = url
+    return "sqlite", url
+
+
+def same_store(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two URLs name the same store (``runs.db``, ``sqlite:///runs.db`` and its absolute path
+    do; two ``memory://`` URLs never do: each opens a new store)."""
+    (kind_a, where_a), (kind_b, where_b) = _parse(a), _parse(b)
+    if kind_a != kind_b or kind_a == "memory":
+        return False
+    if kind_a == "sqlite":
+        return os.path.abspath(where_a) == os.path.abspath(where_b)
+    return where_a == where_b
+
+
+def open_store(url: str | os.PathLike[str] | None = None) -> Store:
+    """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, ``memory://``, or
+    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``).
+    Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``."""
+    kind, where = _parse(url)
+    if kind == "memory":
+        from .memory_store import InMemoryStore
+
+        return InMemoryStore()
+    if kind == "http":
+        from .http_store import HttpStore
+
+        return HttpStore(where)
     from .sqlite_store import SQLiteStore
 
-    return SQLiteStore(path)
+    return SQLiteStore(where)

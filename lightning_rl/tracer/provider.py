@@ -121,6 +121,10 @@ class Tracing:
             except Exception as exc:
                 report_failure("flush of the previous store", exc)
 
+    def current_sink(self) -> SpanSink | None:
+        """The sink in use, without opening the default one."""
+        return self._sink
+
     def sink(self) -> SpanSink:
         sink = self._sink
         if sink is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
+import os
 import threading
 
 import pytest
@@ -306,3 +307,23 @@ def test_tool_span_records_plain_code_tool_calls(traced):
     assert broken.status_code == "ERROR"
     with lrl.tool_span("outside") as tool:  # outside a rollout: nothing recorded, nothing raised
         tool.result = 1
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_configuring_the_same_store_again_opens_nothing_new(traced, tmp_path):
+    # A verl agent loop per sample, a runner per task: each calls configure(store=URL).
+    url = f"sqlite:///{tmp_path / 'again.db'}"
+    first = lrl.configure(store=url)
+    threads, fds = threading.active_count(), _open_fds()
+    for _ in range(200):
+        assert lrl.configure(store=url) is first
+        assert lrl.configure(store=str(tmp_path / "again.db")) is first  # a plain path names it too
+    assert threading.active_count() == threads and _open_fds() == fds
+    other = lrl.configure(store=f"sqlite:///{tmp_path / 'other.db'}")
+    assert other is not first and other.url.endswith("other.db")
+    assert lrl.configure(store="memory://") is not lrl.configure(store="memory://")  # always a new one
+    first.close()
+    other.close()

@@ -45,3 +45,19 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
     assert out.response_mask.count(0) == observation > 0  # the user/tool turn is masked out
     assert len(out.response_logprobs) == len(out.response_ids)
     assert out.reward_score == traj.final_reward and out.extra_fields["prefix_splits"] == 0
+
+
+def test_one_store_per_process_however_many_loops_verl_makes(tmp_path):
+    import os
+    import threading
+
+    import lightning_rl as lrl
+    from lightning_rl.tracer import tracing
+
+    first = _loop("http://127.0.0.1:9/v1", tmp_path)  # verl makes one loop object per sample
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    loops = [_loop("http://127.0.0.1:9/v1", tmp_path) for _ in range(200)]
+    assert threading.active_count() == threads and len(os.listdir("/proc/self/fd")) == fds
+    assert all(loop.store is first.store is tracing.sink() for loop in loops)  # spans and reads: one store
+    lrl.configure(store="memory://")
+    first.store.close()
