@@ -3,9 +3,10 @@
 Rules users can rely on:
 
 * The task recorded for a rollout is the call's arguments as JSON: the single argument itself when
-  there is one (``self``/``cls`` skipped), else a dict by parameter name; ``task=`` overrides it.
-  Arguments JSON cannot store fail the call with :class:`TaskNotSerializableError` before the
-  agent runs.
+  there is one (``self``/``cls`` skipped), else a dict by parameter name. ``task="question"`` (a
+  parameter name, or a list of names) or ``task=lambda *args, **kwargs: ...`` chooses it. A value JSON
+  cannot hold (a client, a connection) is recorded as ``"<module.Class>"``, logged once and counted
+  (``task_values_not_json``): decorating existing code never fails the call.
 * A traced call inside another traced call is a child ``invoke_agent`` span of the same rollout
   (its return value is not a reward) unless ``new_rollout=True``.
 * A returned int or float (not bool) is recorded as the final reward (name ``reward``, source
@@ -24,7 +25,7 @@ import hashlib
 import inspect
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,8 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import semconv
-from ..diagnostics import report_failure
-from ..errors import InvalidRewardError, TaskNotSerializableError, check_reward, shown
+from ..diagnostics import count, report_failure
+from ..errors import ConfigurationError, InvalidRewardError, check_reward
 from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
 from ..settings import check_mode
 from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
@@ -55,8 +56,6 @@ def rollout_overrides(**values: Any) -> Iterator[None]:
     Runners use it; users can use it to choose a rollout id."""
     unknown = set(values) - _OVERRIDE_KEYS
     if unknown:
-        from ..errors import ConfigurationError
-
         raise ConfigurationError(
             f"unknown rollout override(s) {sorted(unknown)}; known: {sorted(_OVERRIDE_KEYS)}"
         )
@@ -65,6 +64,13 @@ def rollout_overrides(**values: Any) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
+
+
+def _stand_in(value: Any) -> str:
+    """What a task records for a value JSON cannot hold: its type, stable from call to call (no id or
+    address), so that tries of the same task still share a group."""
+    cls = type(value)
+    return f"<{cls.__module__}.{cls.__qualname__}>"
 
 
 def _json_default(value: Any) -> Any:
@@ -76,6 +82,22 @@ def _json_default(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
+def _json_safe(value: Any, replaced: list[str]) -> Any:
+    """``value`` with everything JSON cannot hold replaced by a stand-in (listed in ``replaced``)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else _stand_in(k): _json_safe(v, replaced)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v, replaced) for v in value]
+    try:
+        return orjson.loads(orjson.dumps(value, default=_json_default))
+    except TypeError:
+        replaced.append(_stand_in(value))
+        return _stand_in(value)
+
+
 @dataclass(slots=True)
 class _Options:
     name: str
@@ -83,33 +105,56 @@ class _Options:
     mode: str | None
     new_rollout: bool
     task_fn: Callable[..., Any] | None
+    task_names: tuple[str, ...] | None
     signature: inspect.Signature | None
 
 
-def _task_of(opts: _Options, args: tuple, kwargs: dict) -> tuple[Any, bytes]:
+_JSON_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+
+
+def _arguments(opts: _Options, args: tuple, kwargs: dict, *, defaults: bool = False) -> dict[str, Any] | None:
+    try:
+        bound = opts.signature.bind(*args, **kwargs) if opts.signature else None
+    except TypeError:
+        return None  # the call itself is wrong; the function will raise its own TypeError
+    if bound is None:
+        return None
+    if defaults:
+        bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k not in ("self", "cls")}
+
+
+def _task_value(opts: _Options, args: tuple, kwargs: dict) -> Any:
     overrides = _overrides.get()
     if overrides and "task" in overrides:
-        value = overrides["task"]
-    elif opts.task_fn is not None:
-        value = opts.task_fn(*args, **kwargs)
-    else:
+        return overrides["task"]
+    if opts.task_fn is not None:
         try:
-            bound = opts.signature.bind(*args, **kwargs) if opts.signature else None
-        except TypeError:
-            bound = None  # the call itself is wrong; the function will raise its own TypeError
-        if bound is None:
-            value = {"args": list(args), "kwargs": kwargs}
-        else:
-            items = [(k, v) for k, v in bound.arguments.items() if k not in ("self", "cls")]
-            value = items[0][1] if len(items) == 1 else dict(items)
+            return opts.task_fn(*args, **kwargs)
+        except Exception as exc:  # the user's task function must not fail their agent either
+            report_failure(f"task function of {opts.name}", exc)
+    arguments = _arguments(opts, args, kwargs, defaults=opts.task_names is not None)
+    if arguments is None:
+        return {"args": list(args), "kwargs": kwargs}
+    if opts.task_names is not None:
+        if len(opts.task_names) == 1:
+            return arguments.get(opts.task_names[0])
+        return {name: arguments.get(name) for name in opts.task_names}
+    return next(iter(arguments.values())) if len(arguments) == 1 else arguments
+
+
+def _task_of(opts: _Options, args: tuple, kwargs: dict) -> tuple[Any, bytes]:
+    value = _task_value(opts, args, kwargs)
     try:
-        text = orjson.dumps(value, default=_json_default, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-    except TypeError as exc:
-        raise TaskNotSerializableError(
-            f"the task of traced function {opts.name!r} cannot be stored as JSON ({exc}): {shown(value)}; "
-            "pass JSON-friendly arguments (str, numbers, lists, dicts, pydantic models) or give "
-            "@trace(task=lambda *args, **kwargs: ...) a function that returns a JSON-friendly task"
-        ) from None
+        text = orjson.dumps(value, default=_json_default, option=_JSON_OPTIONS)
+    except TypeError:
+        replaced: list[str] = []
+        text = orjson.dumps(_json_safe(value, replaced), option=_JSON_OPTIONS)
+        count("task_values_not_json")
+        report_failure(f"task of {opts.name} not JSON", message=(
+            f"lightning-rl: traced function {opts.name!r} got arguments JSON cannot store ({', '.join(sorted(set(replaced)))}); "
+            "its task records them as '<module.Class>'. Name the task with @trace(task=\"question\") (a parameter "
+            "name or a list of them) or @trace(task=lambda *args, **kwargs: ...)"))
     return orjson.loads(text), text
 
 
@@ -240,18 +285,29 @@ def trace(
     agent: str | None = None,
     mode: str | None = None,
     new_rollout: bool = False,
-    task: Callable[..., Any] | None = None,
+    task: Callable[..., Any] | str | Sequence[str] | None = None,
 ) -> Any:
-    """Make every call of ``fn`` a rollout. Use as ``@trace`` or ``@trace(name=..., agent=...)``."""
+    """Make every call of ``fn`` a rollout. Use as ``@trace`` or ``@trace(name=..., agent=...)``.
+
+    ``task``: what the rollout records as its task: a parameter name (``"question"``), a list of
+    names, or a function of the call's arguments. Default: the arguments themselves."""
     if mode is not None:
         check_mode(mode)
+    task_names = (task,) if isinstance(task, str) else tuple(task) if task is not None and not callable(task) else None
+    task_fn = task if callable(task) else None
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             signature = inspect.signature(func)
         except (TypeError, ValueError):
             signature = None
-        opts = _Options(name or func.__name__, agent, mode, new_rollout, task, signature)
+        if task_names is not None and signature is not None:
+            unknown = [n for n in task_names if n not in signature.parameters]
+            if unknown:
+                raise ConfigurationError(
+                    f"@trace(task={task!r}) names {unknown} but {func.__name__} takes {list(signature.parameters)}; "
+                    "give parameter names of the traced function")
+        opts = _Options(name or func.__name__, agent, mode, new_rollout, task_fn, task_names, signature)
 
         if inspect.iscoroutinefunction(func):
 

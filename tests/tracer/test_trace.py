@@ -201,17 +201,38 @@ def test_returned_nan_fails_rollout_and_raises(traced):
     assert [x.value for x in traced.rewards(r.rollout_id)] == [0.2]
 
 
-def test_unserializable_task_fails_at_call_before_agent_runs(traced):
-    ran = []
+def test_arguments_json_cannot_hold_never_fail_the_call(traced):
+    import openai
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="EMPTY")
+    before = lrl.stats().get("task_values_not_json", 0)
 
     @lrl.trace
-    def agent(task):
-        ran.append(task)
+    def solve(client, question, tags):
+        return 1.0
 
-    with pytest.raises(lrl.TaskNotSerializableError, match="cannot be stored as JSON.*task="):
-        agent(object())
-    assert ran == [] and traced.rollouts() == []
-    assert isinstance(lrl.TaskNotSerializableError("x"), TypeError)
+    assert solve(client, "why?", {object(): 1}) == 1.0  # a dict key JSON cannot hold either
+    assert solve(client, "why?", {object(): 1}) == 1.0
+    first, second = traced.rollouts()
+    assert first.task == {"client": "<openai.OpenAI>", "question": "why?", "tags": {"<builtins.object>": 1}}
+    assert first.status == "succeeded" and first.group_id == second.group_id  # the stand-in is stable
+    assert lrl.stats()["task_values_not_json"] - before == 2
+
+
+def test_task_named_by_parameter(traced):
+    @lrl.trace(task="question")
+    def solve(client, question):
+        return 1.0
+
+    @lrl.trace(task=["question", "level"])
+    def solve2(client, question, level=1):
+        return 1.0
+
+    solve(object(), "why?")
+    solve2(object(), "how?")
+    assert [r.task for r in traced.rollouts()] == ["why?", {"question": "how?", "level": 1}]
+    with pytest.raises(lrl.ConfigurationError, match=r"names \['prompt'\].*\['client', 'question'\]"):
+        lrl.trace(task="prompt")(lambda client, question: 1.0)
 
 
 def test_task_override_function(traced):
