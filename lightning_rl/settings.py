@@ -12,6 +12,8 @@ variable                           meaning                                      
 ``LIGHTNING_RL_MODE``              mode recorded on rollouts: ``train``, ``eval`` or ``prod``  ``train``
 ``LIGHTNING_RL_CAPTURE_TOKEN_IDS`` add ``return_token_ids`` to LLM requests in a rollout       ``1``
 ``LIGHTNING_RL_CAPTURE_LOGPROBS``  add ``logprobs`` to LLM requests in a rollout               ``1``
+``LIGHTNING_RL_NO_INJECT_HOSTS``   hosts whose LLM requests never get ``return_token_ids`` /   none (api.openai.com
+                                   ``logprobs`` (comma-separated; providers that refuse them)  is always skipped)
 ``LIGHTNING_RL_POLICY_VERSION``    policy version of the served model at start-up              ``0``
 ``LIGHTNING_RL_QUEUE_SIZE``        bound of the background writer's queue (records); a full    ``8192``
                                    queue blocks the producer (back-pressure), it never drops
@@ -32,6 +34,7 @@ ENV_MODE = "LIGHTNING_RL_MODE"
 ENV_CAPTURE_TOKEN_IDS = "LIGHTNING_RL_CAPTURE_TOKEN_IDS"
 ENV_CAPTURE_LOGPROBS = "LIGHTNING_RL_CAPTURE_LOGPROBS"
 ENV_POLICY_VERSION = "LIGHTNING_RL_POLICY_VERSION"
+ENV_NO_INJECT_HOSTS = "LIGHTNING_RL_NO_INJECT_HOSTS"
 ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
 ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
 
@@ -79,6 +82,7 @@ class Settings:
     policy_version: int = 0
     queue_size: int = 8192
     flush_timeout: float = 60.0
+    no_inject_hosts: frozenset[str] = frozenset()
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -91,4 +95,5 @@ class Settings:
             policy_version=int(_number(ENV_POLICY_VERSION, 0, int)),
             queue_size=max(1, int(_number(ENV_QUEUE_SIZE, 8192, int))),
             flush_timeout=float(_number(ENV_FLUSH_TIMEOUT, 60.0, float)),
+            no_inject_hosts=frozenset(h.strip() for h in os.environ.get(ENV_NO_INJECT_HOSTS, "").split(",") if h.strip()),
         )

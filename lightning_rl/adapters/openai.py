@@ -9,9 +9,17 @@ Inside a rollout, each ``/chat/completions`` or ``/completions`` request becomes
 (``chat {model}``, kind CLIENT) with the request and response messages, tool calls, and vLLM's
 ``prompt_token_ids``, ``token_ids`` and logprobs. The request gets ``return_token_ids: true`` and
 ``logprobs`` unless the caller set them or capture is switched off (``configure(capture_token_ids=
-False)``, ``LIGHTNING_RL_CAPTURE_TOKEN_IDS=0``); requests to api.openai.com are never changed.
+False)``, ``LIGHTNING_RL_CAPTURE_TOKEN_IDS=0``). Which servers get them:
+
+* never api.openai.com, nor the hosts in ``LIGHTNING_RL_NO_INJECT_HOSTS``;
+* a server that answered with token ids is known to take them;
+* any other server gets them on its first call; if it refuses that request (400 or 422), the same
+  request is sent once more without them, the server is remembered as one that does not take them,
+  and the fallback is counted (``llm_requests_resent_without_token_fields``) and logged once.
+
 Where the server returns no ids the call is still recorded with ``token_ids.source = missing``.
-Nothing here raises into the caller: failures are logged once per cause and counted.
+``/responses`` calls are not recorded: they are counted (``llm_calls_unrecorded_responses_api``)
+and logged once. Nothing here raises into the caller: failures are logged once per cause and counted.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ _NUMERIC_REQUEST_ATTRIBUTES = (
     ("max_completion_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
 )
 _NO_INJECT_HOSTS = frozenset({"api.openai.com"})
+# "host:port" -> True (answered with token ids) / False (refused the fields); absent: not known yet
+_takes_token_fields: dict[str, bool] = {}
 
 
 def _json_default(obj: Any) -> Any:
@@ -59,7 +69,16 @@ def _endpoint(options: Any) -> str | None:
         return semconv.OP_CHAT
     if url.endswith("/completions"):
         return semconv.OP_TEXT_COMPLETION
+    if url.endswith("/responses"):
+        count("llm_calls_unrecorded_responses_api")
+        report_failure("responses api", message=(
+            "lightning-rl: a /responses call inside a rollout is not recorded (no span, no token ids); "
+            "use chat.completions for the calls you want to train on"))
     return None
+
+
+def _server_key(base_url: Any) -> str:
+    return f"{getattr(base_url, 'host', None)}:{getattr(base_url, 'port', None)}"
 
 
 class _Choice:
@@ -85,18 +104,23 @@ class LLMCall:
         request = {**body, **extra} if extra else body
         base_url = getattr(client, "base_url", None)
         host = getattr(base_url, "host", None)
-        if host not in _NO_INJECT_HOSTS:
-            settings = tracing.settings
-            changed = False
+        self.server = _server_key(base_url)
+        self.injected: tuple[str, ...] = ()
+        settings = tracing.settings
+        if (host not in _NO_INJECT_HOSTS and host not in settings.no_inject_hosts
+                and _takes_token_fields.get(self.server) is not False):
+            injected = []
             if settings.capture_token_ids and "return_token_ids" not in request:
-                extra["return_token_ids"] = changed = True
+                extra["return_token_ids"] = True
+                injected.append("return_token_ids")
             if settings.capture_logprobs and request.get("logprobs") is None:
                 extra["logprobs"] = True if op == semconv.OP_CHAT else 0
-                changed = True
-            if changed:
+                injected.append("logprobs")
+            if injected:
                 # The client builds these options for this one call (and copies them again before any
                 # retry), so setting the field in place is safe and avoids a pydantic copy per call.
                 options.extra_json = extra
+                self.injected = tuple(injected)
         self.options = options
         self.state = state
         self.op = op
@@ -260,6 +284,7 @@ class LLMCall:
         if c.finish_reason:
             attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (c.finish_reason,)
         if c.has_ids and self.prompt_ids is not None:
+            _takes_token_fields[self.server] = True
             attrs[semconv.PROMPT_TOKEN_IDS] = self.prompt_ids
             attrs[semconv.RESPONSE_TOKEN_IDS] = c.token_ids
             attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_ENGINE
@@ -424,6 +449,29 @@ def _attach_parsed(parsed: Any, call: LLMCall) -> Any:
     return _attach(parsed, call)
 
 
+def _resend_without_token_fields(call: LLMCall, error: BaseException) -> bool:
+    """Whether to send the request once more without the fields we added: the server refused it
+    (400/422), and it is not known to take them."""
+    if not call.injected or _takes_token_fields.get(call.server) is not None:
+        return False
+    if getattr(error, "status_code", None) not in (400, 422):
+        return False
+    extra = {k: v for k, v in (call.options.extra_json or {}).items() if k not in call.injected}
+    call.options.extra_json = extra or None
+    call.injected = ()
+    return True
+
+
+def _refused_token_fields(call: LLMCall) -> None:
+    _takes_token_fields[call.server] = False
+    count("llm_requests_resent_without_token_fields")
+    report_failure(f"token fields refused by {call.server}", message=(
+        f"lightning-rl: the server at {call.server} refused return_token_ids/logprobs (HTTP 400/422); the "
+        "request was sent again without them, and calls to it are recorded without token ids (not trained on). "
+        "Serve the model with vLLM >= 0.10.2 to train on these calls, or list the host in "
+        "LIGHTNING_RL_NO_INJECT_HOSTS to skip the first try"))
+
+
 def _start(client: Any, options: Any) -> LLMCall | None:
     state = _rollout.get()
     if state is None:
@@ -443,7 +491,13 @@ def _wrap_sync(original: Any) -> Any:
         if call is None:
             return original(self, cast_to, options, *args, **kwargs)
         try:
-            result = original(self, cast_to, call.options, *args, **kwargs)
+            try:
+                result = original(self, cast_to, call.options, *args, **kwargs)
+            except Exception as exc:
+                if not _resend_without_token_fields(call, exc):
+                    raise
+                result = original(self, cast_to, call.options, *args, **kwargs)
+                _refused_token_fields(call)
         except BaseException as exc:
             call.fail(exc)
             raise
@@ -460,7 +514,13 @@ def _wrap_async(original: Any) -> Any:
         if call is None:
             return await original(self, cast_to, options, *args, **kwargs)
         try:
-            result = await original(self, cast_to, call.options, *args, **kwargs)
+            try:
+                result = await original(self, cast_to, call.options, *args, **kwargs)
+            except Exception as exc:
+                if not _resend_without_token_fields(call, exc):
+                    raise
+                result = await original(self, cast_to, call.options, *args, **kwargs)
+                _refused_token_fields(call)
         except BaseException as exc:
             call.fail(exc)
             raise

@@ -1,0 +1,89 @@
+"""Providers other than vLLM: one that refuses unknown request fields, and the /responses API."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.adapters import openai as adapter
+
+from .strict_provider import StrictProvider
+
+
+@pytest.fixture
+def provider():
+    with StrictProvider() as p:
+        yield p
+    adapter._takes_token_fields.clear()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_a_provider_that_refuses_token_fields_still_answers_the_agent(traced, provider, asynchronous):
+    before = lrl.stats().get("llm_requests_resent_without_token_fields", 0)
+    messages = [{"role": "user", "content": "What is 12+30?"}]
+    if asynchronous:
+        client = openai.AsyncOpenAI(base_url=provider.base_url, api_key="k")
+
+        @lrl.trace
+        async def agent(q):
+            r = await client.chat.completions.create(model="hosted", messages=messages, max_tokens=4)
+            return 1.0 if r.choices[0].message.content == "42" else 0.0
+
+        rewards = [await agent("q1"), await agent("q2")]
+    else:
+        client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+        @lrl.trace
+        def agent(q):
+            r = client.chat.completions.create(model="hosted", messages=messages, max_tokens=4)
+            return 1.0 if r.choices[0].message.content == "42" else 0.0
+
+        rewards = [agent("q1"), agent("q2")]
+    assert rewards == [1.0, 1.0]  # no 400 ever reached the agent
+    # first call: refused with our fields, resent without; second call: sent without them at once
+    assert ["return_token_ids" in body for body in provider.requests] == [True, False, False]
+    assert lrl.stats()["llm_requests_resent_without_token_fields"] - before == 1
+    for t in traced.trajectories():
+        (call,) = t.llm_calls
+        assert t.status == "succeeded" and call.token_ids_source == "missing"
+        assert call.output_messages[0]["content"] == "42"
+
+
+def test_a_refusal_from_a_server_known_to_take_the_fields_is_not_retried(traced, provider):
+    adapter._takes_token_fields[f"127.0.0.1:{provider.base_url.split(':')[2].split('/')[0]}"] = True
+    client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+    @lrl.trace
+    def agent(q):
+        client.chat.completions.create(model="hosted", messages=[{"role": "user", "content": q}])
+
+    with pytest.raises(openai.BadRequestError):
+        agent("q")
+    assert len(provider.requests) == 1 and next(traced.trajectories()).status == "failed"
+
+
+def test_hosts_listed_in_the_settings_never_get_the_fields(traced, provider, monkeypatch):
+    monkeypatch.setattr(lrl.tracer.tracing.settings, "no_inject_hosts", frozenset({"127.0.0.1"}))
+    client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+    @lrl.trace
+    def agent(q):
+        return client.chat.completions.create(model="hosted", messages=[{"role": "user", "content": q}])
+
+    agent("q")
+    assert len(provider.requests) == 1 and "return_token_ids" not in provider.requests[0]
+
+
+def test_responses_api_calls_are_counted_and_reported_as_unrecorded(traced, provider):
+    before = lrl.stats().get("llm_calls_unrecorded_responses_api", 0)
+    client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+    @lrl.trace
+    def agent(q):
+        return client.responses.create(model="hosted", input=q).output_text
+
+    assert agent("What is 12+30?") == "42"
+    assert lrl.stats()["llm_calls_unrecorded_responses_api"] - before == 1
+    (t,) = traced.trajectories()
+    assert t.status == "succeeded" and t.llm_calls == []
