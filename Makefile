@@ -75,6 +75,7 @@ bench: venv venv-peer
 	$(PY) bench/bench_span_cost.py
 	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
 	$(PY) bench/bench_store_ingest.py
+	$(PY) bench/bench_sqlite_synchronous.py
 	$(PY) bench/bench_memory.py
 
 clean:

@@ -19,6 +19,9 @@ variable                           meaning                                      
                                    queue blocks the producer (back-pressure), it never drops
 ``LIGHTNING_RL_FLUSH_TIMEOUT``     seconds a finishing rollout waits for its rows to be on     ``60``
                                    disk before it logs a warning and returns
+``LIGHTNING_RL_SQLITE_SYNCHRONOUS`` ``normal``: a committed rollout survives the process being  ``normal``
+                                   killed, not a power loss or OS crash; ``full``: it survives
+                                   those too (an fsync per commit)
 =================================  ==========================================================  =====================
 """
 
@@ -35,6 +38,8 @@ ENV_CAPTURE_TOKEN_IDS = "LIGHTNING_RL_CAPTURE_TOKEN_IDS"
 ENV_CAPTURE_LOGPROBS = "LIGHTNING_RL_CAPTURE_LOGPROBS"
 ENV_POLICY_VERSION = "LIGHTNING_RL_POLICY_VERSION"
 ENV_NO_INJECT_HOSTS = "LIGHTNING_RL_NO_INJECT_HOSTS"
+ENV_SQLITE_SYNCHRONOUS = "LIGHTNING_RL_SQLITE_SYNCHRONOUS"
+SQLITE_SYNCHRONOUS = ("normal", "full")
 ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
 ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
 
@@ -67,6 +72,12 @@ def _number(name: str, default: float, kind: type) -> float:
     return value
 
 
+def check_synchronous(value: str, *, what: str = "synchronous") -> str:
+    if value.lower() not in SQLITE_SYNCHRONOUS:
+        raise ConfigurationError(f"{what}={value!r} is not one of {', '.join(SQLITE_SYNCHRONOUS)}; pick one of those")
+    return value.lower()
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ConfigurationError(f"mode {mode!r} is not one of {', '.join(MODES)}; pick one of those")
@@ -83,6 +94,7 @@ class Settings:
     queue_size: int = 8192
     flush_timeout: float = 60.0
     no_inject_hosts: frozenset[str] = frozenset()
+    sqlite_synchronous: str = "normal"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -96,4 +108,6 @@ class Settings:
             queue_size=max(1, int(_number(ENV_QUEUE_SIZE, 8192, int))),
             flush_timeout=float(_number(ENV_FLUSH_TIMEOUT, 60.0, float)),
             no_inject_hosts=frozenset(h.strip() for h in os.environ.get(ENV_NO_INJECT_HOSTS, "").split(",") if h.strip()),
+            sqlite_synchronous=check_synchronous(os.environ.get(ENV_SQLITE_SYNCHRONOUS) or "normal",
+                                                 what=ENV_SQLITE_SYNCHRONOUS),
         )

@@ -26,7 +26,7 @@ import orjson
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
 from ..records import Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
-from ..settings import Settings
+from ..settings import Settings, check_synchronous
 from .base import Store
 from .lifecycle import track
 from .migrations import check_is_store, migrate
@@ -60,14 +60,44 @@ def _insert_many(conn: sqlite3.Connection, rows: list[tuple]) -> None:
         conn.executemany(_INSERT_SPAN, rows[full:])
 
 
-def connect(path: str, busy_timeout: float = 30.0) -> sqlite3.Connection:
-    """Open ``path`` as a lightning-rl store connection (refusing foreign files), WAL mode."""
+# Filesystem types on which SQLite's locking and WAL (shared memory) do not hold across machines.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "lustre", "gpfs", "beegfs", "glusterfs",
+    "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "fuse.cephfs",
+})
+MOUNTS = Path("/proc/mounts")
+
+
+def filesystem_type(path: str | os.PathLike[str], mounts: Path | None = None) -> str | None:
+    """The type of the filesystem that holds ``path`` (the longest mount point above it), if known."""
+    target = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        lines = (mounts or MOUNTS).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
+def connect(path: str, busy_timeout: float = 30.0, synchronous: str = "normal") -> sqlite3.Connection:
+    """Open ``path`` as a lightning-rl store connection (refusing foreign files), WAL mode.
+
+    ``synchronous="normal"`` (the default): a commit survives the process being killed, not an OS
+    crash or a power loss; ``"full"``: it survives those too, for an fsync per commit."""
     conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
     try:
         check_is_store(conn, path)
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(f"PRAGMA synchronous = {check_synchronous(synchronous).upper()}")
     except BaseException:
         conn.close()
         raise
@@ -77,7 +107,7 @@ def connect(path: str, busy_timeout: float = 30.0) -> sqlite3.Connection:
 class SQLiteStore(Store):
     def __init__(
         self, path: str | os.PathLike[str], *, queue_size: int | None = None,
-        give_up_after: float = 30.0, busy_timeout: float = 30.0,
+        give_up_after: float = 30.0, busy_timeout: float = 30.0, synchronous: str | None = None,
     ) -> None:
         path = os.fspath(path)
         if path in ("", ":memory:"):
@@ -87,23 +117,33 @@ class SQLiteStore(Store):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.url = f"sqlite:///{path}"
-        self._queue_size = queue_size or Settings.from_env().queue_size
+        settings = Settings.from_env()
+        self._queue_size = queue_size or settings.queue_size
         self._give_up_after = give_up_after
         self._busy_timeout = busy_timeout
+        self.synchronous = check_synchronous(synchronous or settings.sqlite_synchronous)
         self._closed = False
+        kind = filesystem_type(Path(path).parent)
+        if kind in NETWORK_FILESYSTEMS:
+            count("sqlite_on_network_filesystem")
+            report_failure(f"sqlite on {kind}", message=(
+                f"lightning-rl: the store {path!r} is on a network filesystem ({kind}). SQLite's locks and WAL "
+                "do not hold across machines there, and writers on several machines can corrupt the file. Run "
+                "`lightning-rl store serve --db PATH` on one machine and point every process at it with "
+                "LIGHTNING_RL_STORE=http://HOST:PORT"))
         self._open()
         track(self)
 
     def _open(self) -> None:
-        self._wconn = connect(self.path, self._busy_timeout)
+        self._wconn = connect(self.path, self._busy_timeout, self.synchronous)
         try:
             migrate(self._wconn, self.path)
         except BaseException:
             self._wconn.close()
             raise
-        self._rconn = connect(self.path, self._busy_timeout)
+        self._rconn = connect(self.path, self._busy_timeout, self.synchronous)
         self._rlock = threading.Lock()
-        self._qconn = connect(self.path, self._busy_timeout)
+        self._qconn = connect(self.path, self._busy_timeout, self.synchronous)
         self._qlock = threading.Lock()
         self._spills = SpillFiles(Path(self.path + ".spill"))
         self._spills.adopt_orphans(own=_claim_spill_folder(self._spills.folder))

@@ -6,7 +6,8 @@ trainer config and pick it for dataset rows (``agent_name: lightning_rl``) or as
 
     lightning_rl:
       agent: my_package.agents:solve      # a @lrl.trace function (async or sync), importable
-      store: sqlite:////shared/runs.db    # where its spans go (default: LIGHTNING_RL_STORE)
+      store: http://head-node:8765        # where its spans go (default: LIGHTNING_RL_STORE); several
+                                          # nodes need the store server, never a shared SQLite file
       agents: null                        # names / regex of the agents to train (multi-agent)
       credit: final                       # credit assignment for the merged sample's reward
 

@@ -8,6 +8,7 @@ override can be appended (``data.train_files=...``, ``trainer.n_gpus_per_node=8`
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,9 +68,27 @@ def check_vllm_version(version: str | None = None) -> str | None:
     return version
 
 
+def _nodes(overrides: Sequence[str]) -> int:
+    for item in overrides:
+        key, _, value = item.lstrip("+").partition("=")
+        if key == "trainer.nnodes":
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigurationError(f"trainer.nnodes={value!r} is not a number of nodes") from None
+    return 1
+
+
 def verl_command(agent: str, overrides: Sequence[str] = (), *, store: str | None = None) -> list[str]:
     if ":" not in agent:
         raise ConfigurationError(f"--agent must be module:function of a traced agent, got {agent!r}")
+    target = store or os.environ.get("LIGHTNING_RL_STORE") or "sqlite:///lightning_rl.db"
+    if _nodes(overrides) > 1 and not target.startswith(("http://", "https://")):
+        raise ConfigurationError(
+            f"a run on {_nodes(overrides)} nodes needs a store every node can write, but {target!r} is a SQLite "
+            "file: its locks and WAL do not work across machines (not even on a shared filesystem). Run "
+            "`lightning-rl store serve --db runs.db --host 0.0.0.0 --token $TOKEN` on one node and pass "
+            "--store http://THAT_NODE:8765 (and LIGHTNING_RL_STORE_TOKEN on every node)")
     args = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR),
             "--config-name", CONFIG_NAME, f"lightning_rl.agent={agent}",
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loops.yaml'}"]

@@ -140,6 +140,38 @@ def test_a_spill_keeps_order_and_is_written_back_while_the_store_is_open(tmp_pat
     s.close()
 
 
+def test_synchronous_is_normal_by_default_and_full_on_request(tmp_path, monkeypatch):
+    with SQLiteStore(tmp_path / "a.db") as normal:
+        assert normal._wconn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    with SQLiteStore(tmp_path / "b.db", synchronous="full") as full:
+        assert full._wconn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL: an fsync per commit
+    monkeypatch.setenv("LIGHTNING_RL_SQLITE_SYNCHRONOUS", "full")
+    with SQLiteStore(tmp_path / "c.db") as from_env:
+        assert from_env._wconn.execute("PRAGMA synchronous").fetchone()[0] == 2
+    monkeypatch.setenv("LIGHTNING_RL_SQLITE_SYNCHRONOUS", "sometimes")
+    with pytest.raises(lrl.ConfigurationError, match="LIGHTNING_RL_SQLITE_SYNCHRONOUS='sometimes'.*normal, full"):
+        SQLiteStore(tmp_path / "d.db")
+
+
+def test_a_store_on_a_network_filesystem_is_reported(tmp_path, monkeypatch):
+    from lightning_rl.store import sqlite_store
+
+    mounts = tmp_path / "mounts"
+    shared = tmp_path / "shared dir"
+    shared.mkdir()
+    mounts.write_text("/dev/vda / ext4 rw 0 0\n"
+                      f"fileserver:/export {str(shared).replace(' ', chr(92) + '040')} nfs4 rw,relatime 0 0\n")
+    assert sqlite_store.filesystem_type(shared / "runs.db", mounts) == "nfs4"
+    assert sqlite_store.filesystem_type(tmp_path / "local.db", mounts) == "ext4"
+    monkeypatch.setattr(sqlite_store, "MOUNTS", mounts)
+    before = lrl.stats().get("sqlite_on_network_filesystem", 0)
+    with SQLiteStore(shared / "runs.db") as s:  # it still works on one machine; it says why it should not be shared
+        s.start_rollout(rollout("r1"))
+    with SQLiteStore(tmp_path / "local.db"):
+        pass
+    assert lrl.stats()["sqlite_on_network_filesystem"] - before == 1
+
+
 def _writer_process(path: str, worker: int, n: int) -> None:
     import lightning_rl as lrl_child
 

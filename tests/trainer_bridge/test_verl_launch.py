@@ -52,3 +52,13 @@ def test_packaged_config_composes_with_verls_own_trainer_config():
     assert rollout.agent.agent_loop_config_path.endswith("agent_loops.yaml")
     assert cfg.lightning_rl.agent == "tests.trainer_bridge.verl_agents:two_turn_solver"
     assert "data" in cfg and "trainer" in cfg  # the rest is verl's own ppo_trainer
+
+
+def test_a_multi_node_run_needs_the_store_server_not_a_shared_sqlite_file(monkeypatch):
+    monkeypatch.delenv("LIGHTNING_RL_STORE", raising=False)
+    for store in ("sqlite:////shared/runs.db", None):
+        with pytest.raises(lrl.ConfigurationError, match=r"2 nodes.*SQLite.*lightning-rl store serve"):
+            verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=store)
+    command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store="http://head:8765")
+    assert "lightning_rl.store=http://head:8765" in command
+    assert verl_command("pkg.agents:solve", ["trainer.nnodes=1"], store="sqlite:///runs.db")  # one node: fine
