@@ -9,7 +9,7 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer model test test-fast test-other-seed demo demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer model test test-fast test-other-seed soak demo demo-spine bench clean
 
 all: venv venv-vllm model
 
@@ -63,6 +63,10 @@ test-fast: venv
 SEED ?= 1
 test-other-seed: all venv-verl
 	MODEL_ARGS="$(MODEL_ARGS)" scripts/vllm_tests_other_seed.sh $(SEED)
+
+# The soak test for as long as docs/reliability.md quotes it (make test runs it for 120 s).
+soak: venv
+	LIGHTNING_RL_SOAK_SECONDS=300 $(PY) -m pytest -q -s tests/reliability/test_soak.py
 
 demo: all
 	$(PY) examples/calculator_rl/train.py --model-dir $(MODEL_DIR)

@@ -10,7 +10,8 @@ Async agents run as asyncio tasks on the runner's one event loop (several runner
 loop: ``loop=``). Sync agents run each in a thread of its own, started for that try, with a copied
 context, or in worker processes (``run_in_processes``: each imports the agent by ``module:function``
 and leases from the same SQLite store file). Store calls (lease, heartbeat, complete) run on a
-small pool of their own, so a runner full of slow sync agents still heartbeats on time.
+pool of their own (one thread per try, and two more), so a runner full of slow sync agents still
+heartbeats on time, also while a store outage makes those calls wait.
 
 Timeouts: an async agent is cancelled inside its traced call; a sync agent cannot be stopped, so
 the runner stops waiting for it, marks its rollout ``timed_out`` and completes the try; the thread
@@ -52,8 +53,9 @@ class Runner:
         self.is_async = inspect.iscoroutinefunction(agent)
         self._aio: asyncio.Runner | None = loop
         self._owns_loop = loop is None
-        # Store calls never queue behind agents (asyncio's default pool is shared with everything).
-        self._store_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{self.runner_id}-store")
+        # Store calls never queue behind agents (asyncio's default pool is shared with everything),
+        # nor behind each other while an outage makes them wait: a thread per try, and two more.
+        self._store_pool = ThreadPoolExecutor(max_workers=concurrency + 2, thread_name_prefix=f"{self.runner_id}-store")
         self._stopping = False
         self._last_busy = time.monotonic()
 
@@ -215,6 +217,7 @@ class Runner:
         try:
             await asyncio.wait_for(asyncio.shield(done), self.rollout_timeout)
         except (TimeoutError, asyncio.TimeoutError):
+            done.cancel()  # whatever the thread reports later goes nowhere
             count("runner_sync_agents_abandoned")
             reason = (f"rollout timeout of {self.rollout_timeout:g} s: the sync agent was still running; "
                       "its thread was left to finish, and its result is not used")

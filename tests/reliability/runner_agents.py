@@ -40,3 +40,17 @@ async def loop_bound_agent(task):
 @lrl.trace
 async def loop_bound_eval_agent(task):
     return await loop_bound_agent(task)
+
+
+@lrl.trace
+def long_tail(task):
+    """A sync agent with ``task["tools"]`` tool calls whose latencies have a long tail (0.1-5 s, lognormal,
+    median about 0.6 s), like web calls and containers do. Seeded by the task: reproducible."""
+    import random
+
+    rng = random.Random(task["seed"])
+    for i in range(task["tools"]):
+        with lrl.tool_span("slow_tool", arguments={"i": i}) as tool:
+            time.sleep(min(5.0, max(0.1, rng.lognormvariate(-0.5, 0.9))))
+            tool.result = str(i)
+    return 1.0
