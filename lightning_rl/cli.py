@@ -245,10 +245,12 @@ def store_group() -> None:
 @click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Server processes on the port (they parse in parallel and share the SQLite file).")
+@click.option("--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
+              help="full: an acknowledged batch survives a power loss (an fsync per commit); normal: a killed server.")
 @click.option("--log-level", default="warning", show_default=True)
 @_errors
 def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: float, workers: int,
-                log_level: str) -> None:
+                synchronous: str, log_level: str) -> None:
     """Serve the store file over HTTP; clients set LIGHTNING_RL_STORE=http://HOST:PORT.
 
     Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --port 8765 --token $TOKEN
@@ -258,7 +260,7 @@ def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: f
     check_bind(host, token)
     click.echo(f"serving {db} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
     serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
-          workers=workers)
+          workers=workers, synchronous=synchronous)
 
 
 @store_group.command("openapi")

@@ -39,6 +39,7 @@ except ImportError as exc:  # the server is an extra; clients need only the core
     ) from None
 from ..diagnostics import counters
 from ..records import QueueEntry, Reward, Rollout, Span
+from ..settings import check_synchronous
 from . import wire
 from .base import Store
 
@@ -232,7 +233,8 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
 
     @app.get(f"{p}/health")
     async def health() -> dict:
-        return {"ok": True, "store": store.url, "pending_writes": getattr(store, "pending_writes", 0)}
+        return {"ok": True, "store": store.url, "pending_writes": getattr(store, "pending_writes", 0),
+                "synchronous": getattr(store, "synchronous", None)}
 
     @app.get(f"{p}/stats")
     async def server_stats() -> dict:
@@ -354,7 +356,8 @@ def _worker_app() -> Any:
     from .sqlite_store import SQLiteStore
 
     _tune_gc()
-    guarded, _ = create_app(SQLiteStore(args["db"]), token=args["token"], max_body_bytes=args["max_body_bytes"])
+    store = SQLiteStore(args["db"], synchronous=args.get("synchronous", "full"))
+    guarded, _ = create_app(store, token=args["token"], max_body_bytes=args["max_body_bytes"])
     return guarded
 
 
@@ -366,18 +369,22 @@ def _tune_gc() -> None:
 
 
 def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 2) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 2,
+          synchronous: str = "full") -> None:
     """Run the server until interrupted (SIGINT/SIGTERM); the store is flushed and closed on the way out.
 
     ``workers`` > 1 runs that many processes on one port, each parsing requests and writing to the
-    same SQLite file (WAL: one write transaction at a time, parsing in parallel)."""
+    same SQLite file (WAL: one write transaction at a time, parsing in parallel). ``synchronous``:
+    ``full`` (default) fsyncs each commit, so an acknowledged batch survives a power loss (group
+    commit spreads the fsync over every batch in the transaction); ``normal`` survives a killed server."""
     import uvicorn
 
     from .sqlite_store import SQLiteStore
 
     check_bind(host, token)
     SQLiteStore(db).close()  # create and migrate once, refusing foreign files before any worker starts
-    os.environ[_ENV_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes})
+    os.environ[_ENV_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
+                                          "synchronous": check_synchronous(synchronous)})
     uvicorn.run(f"{__name__}:_worker_app", factory=True, host=host, port=port, workers=workers,
                 log_level=log_level, access_log=False, timeout_graceful_shutdown=10)
 

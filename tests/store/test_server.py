@@ -310,12 +310,14 @@ def test_cli_serves_a_store_that_runners_use(tmp_path):
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{url}/v1/health").status_code == 200:
+                health = httpx.get(f"{url}/v1/health")
+                if health.status_code == 200:
                     break
             except httpx.HTTPError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+        assert health.json()["synchronous"] == "full"  # an acknowledged batch survives a power loss
         client = HttpStore(url, token=TOKEN, spill_dir=tmp_path / "spill")
         group = client.enqueue({"a": 2, "b": 3}, n=3)[0].group_id
         done = subprocess.run(
