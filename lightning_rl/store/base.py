@@ -198,8 +198,16 @@ class Store:
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:
         """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued, see the rules)."""
-        return self._queue_txn(lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(),
-                                                             self.expire_rollout))
+        expired: list[QueueEntry] = []
+
+        def expire(entry: QueueEntry, reason: str) -> None:
+            self.expire_rollout(entry, reason)
+            expired.append(entry)
+
+        leased = self._queue_txn(lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire))
+        if expired:
+            self.flush()  # the expired tries read timed_out by the time their retries are handed out
+        return leased
 
     def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
         """The queue gave up on this try (its lease expired, or its runner stopped waiting): its rollout
@@ -218,7 +226,9 @@ class Store:
         return self._queue_txn(lambda view: task_queue.heartbeat(view, queue_id, runner, lease_seconds, time.time()))
 
     def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
-        """Record a try's outcome. False if ``runner`` no longer holds the lease (it expired)."""
+        """Record a try's outcome, after the records written so far (an outcome never overtakes the
+        rollout it reports on). False if ``runner`` no longer holds the lease (it expired)."""
+        self.flush()
         return self._queue_txn(lambda view: task_queue.complete(view, queue_id, runner, outcome))
 
     def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
