@@ -96,7 +96,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db", str(db),
-                               "--port", str(port), "--workers", str(args.workers)],
+                               "--port", str(port), "--workers", str(args.workers),
+                               "--synchronous", args.synchronous],
                               stdout=subprocess.DEVNULL)
     try:
         wait_ready(f"{url}/v1/health")
@@ -160,6 +161,8 @@ def main() -> None:
     ap.add_argument("--batch-ops", type=int, default=500, help="Our client's ops per request.")
     ap.add_argument("--workers", type=int, default=2, help="Our server's worker processes (the server's default).")
     ap.add_argument("--rounds", type=int, default=3, help="Runs of ours (median reported).")
+    ap.add_argument("--synchronous", choices=("full", "normal"), default="full",
+                    help="Our server's SQLite synchronous setting (the server's default: full).")
     ap.add_argument("--peer-python", default=None, help="Python of the peer's environment (.venv-peer/bin/python).")
     ap.add_argument("--peer-spans-per-client", type=int, default=None, help="Default: --spans-per-client.")
     ap.add_argument("--peer-health", default="/v1/agl/health")
