@@ -66,6 +66,9 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len), "--enforce-eager", "--seed", "0",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            # log-probs after temperature (and any top-k/top-p), the distribution the tokens were sampled
+            # from: what the trainer computes, so the two mean the same thing (the behaviour policy)
+            "--logprobs-mode", "processed_logprobs",
         ]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]

@@ -7,7 +7,12 @@ on the same tensors when verl is installed, and against hand-computed values alw
 
 Registries (plain dicts behind decorators, as in verl): advantage estimators (``grpo``,
 ``batch_baseline`` for traffic without groups) and policy losses (``vanilla``: PPO-clip with dual
-clip). Unknown names fail listing the known ones.
+clip, times optional truncated importance weights). Unknown names fail listing the known ones.
+
+Estimators take an optional ``rollout_index`` (the rollout of each sample): group statistics are then
+taken over rollouts, one score each (the mean of its samples' scores), not over samples, so a rollout
+with many LLM calls does not weigh more than one with few. With one sample per rollout this is
+verl's math exactly.
 """
 
 from __future__ import annotations
@@ -63,16 +68,31 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / (mask.sum(dim) + 1e-8)
 
 
+def _per_rollout(scores: torch.Tensor, keys: np.ndarray, rollout_index: np.ndarray | None) -> dict[Any, list[torch.Tensor]]:
+    """Scores by key (group), one per rollout when ``rollout_index`` is given (its samples' mean)."""
+    by_key: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    if rollout_index is None:
+        for i in range(scores.shape[0]):
+            by_key[keys[i]].append(scores[i])
+        return by_key
+    per_rollout: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    key_of: dict[Any, Any] = {}
+    for i in range(scores.shape[0]):
+        per_rollout[rollout_index[i]].append(scores[i])
+        key_of[rollout_index[i]] = keys[i]
+    for rollout, values in per_rollout.items():
+        by_key[key_of[rollout]].append(torch.stack(values).mean())
+    return by_key
+
+
 @register_adv_estimator("grpo")
 def grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
-                           epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                           epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True,
+                           rollout_index: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative outcome advantage. A group of one gets mean 0 and std 1 (its raw score), as in verl."""
     scores = token_level_rewards.sum(dim=-1)
-    by_group: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    for i in range(scores.shape[0]):
-        by_group[index[i]].append(scores[i])
     mean, std = {}, {}
-    for group, values in by_group.items():
+    for group, values in _per_rollout(scores, index, rollout_index).items():
         if len(values) == 1:
             mean[group], std[group] = torch.tensor(0.0), torch.tensor(1.0)
         else:
@@ -88,14 +108,28 @@ def grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: tor
 
 @register_adv_estimator("batch_baseline")
 def batch_baseline_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray | None = None,
-                             epsilon: float = 1e-6, baseline: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             epsilon: float = 1e-6, baseline: float | None = None,
+                             rollout_index: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For traffic without groups (continuous mode): score minus a baseline (the batch mean unless
     given, e.g. a running mean), divided by the batch std. Needs no repeated prompts."""
     scores = token_level_rewards.sum(dim=-1)
-    center = torch.tensor(baseline) if baseline is not None else scores.mean()
-    scale = scores.std() if scores.numel() > 1 else torch.tensor(1.0)
+    values = torch.stack(_per_rollout(scores, np.zeros(scores.shape[0]), rollout_index)[0.0]) if scores.numel() else scores
+    center = torch.tensor(baseline) if baseline is not None else values.mean()
+    scale = values.std() if values.numel() > 1 else torch.tensor(1.0)
     out = ((scores - center) / (scale + epsilon)).unsqueeze(-1) * response_mask
     return out, out
+
+
+def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                       threshold: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level truncated importance weights min(exp(log p_old - log p_rollout), threshold): the
+    proximal policy over the behaviour policy that sampled the tokens (the engine's log-probs). Zero on
+    masked tokens. verl's ``compute_rollout_correction_weights(rollout_is="token")``."""
+    log_ratio = torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)
+    raw = torch.exp(log_ratio) * response_mask
+    weights = raw.clamp(max=threshold)
+    return weights, {"rollout_is_mean": masked_mean(raw, response_mask).item(),
+                     "rollout_is_truncated_frac": masked_mean((raw > threshold).float(), response_mask).item()}
 
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
@@ -117,8 +151,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
 def ppo_clip_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", clip_ratio: float = 0.2,
                   clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
-                  clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped objective with dual clip for negative advantages (verl's ``compute_policy_loss_vanilla``)."""
+                  clip_ratio_c: float = 3.0, rollout_is_weights: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped objective with dual clip for negative advantages, each token's loss times its
+    importance weight when given (verl's ``compute_policy_loss_vanilla``)."""
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
@@ -132,6 +168,8 @@ def ppo_clip_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages
     clipped2 = torch.min(losses3, clipped1)
     clipfrac_lower = masked_mean(torch.gt(clipped1, losses3) * (advantages < 0).float(), response_mask)
     pg_losses = torch.where(advantages < 0, clipped2, clipped1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     return loss, {"pg_clipfrac": clipfrac.item(), "ppo_kl": ppo_kl.item(), "pg_clipfrac_lower": clipfrac_lower.item()}
 

@@ -1,14 +1,23 @@
 """The local backend: LoRA (PEFT) on the served base model, on CPU or one GPU, with verl's math.
 
-``update(samples)`` is one policy-gradient step on a batch of samples:
+``update(samples)`` is one batch of policy-gradient updates. Three policies take part (the loss is
+stated in docs/architecture.md, "The loss"):
 
-1. log-probs of the sampled response tokens are recomputed by the trainer (``old_log_prob``; the
-   engine's ``rollout_logprobs`` are kept only to report how far they are, ``engine_logprob_gap``:
-   vLLM returns raw log-probs, before temperature, so sample at temperature 1.0 to compare);
-2. the reward sits on the last response token; advantages come from the estimator registry
-   (``grpo`` by default, grouped by ``group_id``);
-3. PPO-clip over ``response_mask`` (0 on tool/observation tokens), token-mean aggregation,
-   optional KL to the base model (the same weights with the adapter disabled).
+* the **behaviour** policy sampled the tokens: the engine's log-probs, recorded with each call
+  (vLLM serves them with ``--logprobs-mode processed_logprobs``: after temperature, as the trainer
+  computes them);
+* the **proximal** policy (``old``) is the trainer's model at the start of the batch: its log-probs are
+  computed once per batch;
+* the **current** policy is updated over ``ppo_epochs`` passes of mini-batches of
+  ``mini_batch_size`` samples, one optimizer step each, so from the second mini-batch on the ratio
+  current/proximal moves away from 1 and the clip acts.
+
+Per token: PPO-clip of ratio current/proximal (dual clip for negative advantages), times the
+truncated importance weight min(proximal/behaviour, ``rollout_is_threshold``) when the engine's
+log-probs are there (verl's token-level ``rollout_is``). Advantages come from the estimator registry
+(``grpo`` by default, groups by ``group_id``, statistics over rollouts), the reward sits on the last
+response token, the loss is aggregated over ``response_mask`` (0 on tool/observation tokens), and an
+optional KL to the base model (the adapter disabled) is added.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..records import Sample
-from .algorithms import agg_loss, get_adv_estimator, get_policy_loss, kl_penalty, masked_mean
+from .algorithms import agg_loss, get_adv_estimator, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -41,8 +50,11 @@ class LocalConfig:
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
     ppo_epochs: int = 1
-    micro_batch_size: int = 32
-    temperature: float = 1.0
+    mini_batch_size: int = 16  # samples per optimizer step (verl's ppo_mini_batch_size)
+    micro_batch_size: int = 16  # samples per forward/backward (memory only)
+    rollout_is: bool = True  # truncated importance weights proximal/behaviour (the engine's log-probs)
+    rollout_is_threshold: float = 2.0
+    temperature: float = 1.0  # the sampling temperature: the engine's processed log-probs include it
     max_grad_norm: float = 1.0
     dtype: str = "float32"  # "bfloat16" on a GPU
     adv_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -57,7 +69,9 @@ class Batch:
     response_valid: torch.Tensor  # [B, R] 1 = a response token (generated or observation)
     token_level_rewards: torch.Tensor  # [B, R]
     index: np.ndarray  # group ids
-    engine_logprobs: torch.Tensor | None
+    rollout_index: np.ndarray  # rollout ids (group statistics are taken over rollouts)
+    engine_logprobs: torch.Tensor  # [B, R] the behaviour policy's log-probs (0 where missing)
+    has_engine: torch.Tensor  # [B] 1 where the sample carries the engine's log-probs
 
 
 def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
@@ -72,7 +86,8 @@ def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
     response_mask = torch.zeros((n, resp_width))
     response_valid = torch.zeros((n, resp_width))
     rewards = torch.zeros((n, resp_width))
-    engine = torch.zeros((n, resp_width)) if all(s.rollout_logprobs is not None for s in samples) else None
+    engine = torch.zeros((n, resp_width))
+    has_engine = torch.zeros(n)
     for i, (s, row) in enumerate(zip(samples, rows)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
@@ -81,11 +96,13 @@ def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
         response_valid[i, :r] = 1
         if r:  # the scalar reward at the last response token (token_rewards are credited values, not summable)
             rewards[i, r - 1] = float(s.reward or 0.0)
-        if engine is not None:
+        if s.rollout_logprobs is not None and len(s.rollout_logprobs) == r:
             engine[i, :r] = torch.tensor(s.rollout_logprobs)
+            has_engine[i] = 1
     index = np.array([s.group_id or s.rollout_id or str(i) for i, s in enumerate(samples)], dtype=object)
+    rollout_index = np.array([s.rollout_id or str(i) for i, s in enumerate(samples)], dtype=object)
     return Batch(input_ids, attention, torch.tensor([len(s.prompt_ids) for s in samples]), response_mask,
-                 response_valid, rewards, index, engine)
+                 response_valid, rewards, index, rollout_index, engine, has_engine)
 
 
 class LocalBackend:
@@ -99,6 +116,7 @@ class LocalBackend:
         except ImportError as exc:
             raise ImportError("the local trainer needs peft: pip install 'lightning-rl[local]'") from exc
         self.config = config or LocalConfig()
+        self._seed = seed
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, self.config.dtype, None)
@@ -134,44 +152,69 @@ class LocalBackend:
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         cfg = self.config
+        if cfg.mini_batch_size < 1 or cfg.micro_batch_size < 1 or cfg.ppo_epochs < 1:
+            raise ConfigurationError(f"mini_batch_size, micro_batch_size and ppo_epochs must be >= 1, got "
+                                     f"{cfg.mini_batch_size}, {cfg.micro_batch_size}, {cfg.ppo_epochs}")
         batch = build_batch(samples, self.pad_token_id)
         mask = batch.response_mask.to(self.device)
         with torch.no_grad():
-            old = self._all_logprobs(batch)
+            old = self._all_logprobs(batch)  # the proximal policy: once per batch
             ref = None
             if cfg.kl_coef:
                 with self.model.disable_adapter():
                     ref = self._all_logprobs(batch)
-        advantages, _ = self.estimator(batch.token_level_rewards.to(self.device), mask, batch.index, **cfg.adv_kwargs)
+        advantages, _ = self.estimator(batch.token_level_rewards.to(self.device), mask, batch.index,
+                                       rollout_index=batch.rollout_index, **cfg.adv_kwargs)
         stats: dict[str, float] = {}
+        engine = batch.engine_logprobs.to(self.device)
+        has_engine = batch.has_engine.to(self.device).unsqueeze(-1)
+        weights = None
+        if cfg.rollout_is and bool(batch.has_engine.any()):
+            weights, is_stats = rollout_is_weights(old, engine, mask * has_engine, cfg.rollout_is_threshold)
+            weights = torch.where(has_engine.bool(), weights, mask)  # no behaviour log-probs: weight 1
+            stats.update(is_stats)
         n = len(samples)
+        order = torch.Generator().manual_seed(self._seed)
+        steps = 0
+        sums: dict[str, float] = {}
         for _ in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            for start in range(0, n, cfg.micro_batch_size):
-                rows = slice(start, start + cfg.micro_batch_size)
-                log_prob = self.response_logprobs(batch, rows)
-                loss, pg = self.policy_loss(old[rows], log_prob, advantages[rows], mask[rows],
-                                            loss_agg_mode=cfg.loss_agg_mode, clip_ratio=cfg.clip_ratio)
-                if ref is not None:
-                    kl = agg_loss(kl_penalty(log_prob, ref[rows], cfg.kl_kind), mask[rows], cfg.loss_agg_mode)
-                    loss = loss + cfg.kl_coef * kl
-                    pg["kl"] = kl.item()
-                (loss * (log_prob.shape[0] / n)).backward()
-                for key, value in pg.items():
-                    stats[key] = stats.get(key, 0.0) + value * log_prob.shape[0] / n
-                stats["loss"] = stats.get("loss", 0.0) + loss.item() * log_prob.shape[0] / n
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm)
-            self.optimizer.step()
+            perm = torch.randperm(n, generator=order).tolist()
+            for start in range(0, n, cfg.mini_batch_size):
+                mini = perm[start:start + cfg.mini_batch_size]
+                self.optimizer.zero_grad(set_to_none=True)
+                for m in range(0, len(mini), cfg.micro_batch_size):
+                    rows = mini[m:m + cfg.micro_batch_size]
+                    log_prob = self.response_logprobs(batch, rows)
+                    loss, pg = self.policy_loss(old[rows], log_prob, advantages[rows], mask[rows],
+                                                loss_agg_mode=cfg.loss_agg_mode, clip_ratio=cfg.clip_ratio,
+                                                rollout_is_weights=None if weights is None else weights[rows])
+                    if ref is not None:
+                        kl = agg_loss(kl_penalty(log_prob, ref[rows], cfg.kl_kind), mask[rows], cfg.loss_agg_mode)
+                        loss = loss + cfg.kl_coef * kl
+                        pg["kl"] = kl.item()
+                    share = len(rows) / len(mini)
+                    (loss * share).backward()
+                    pg["loss"] = loss.item()
+                    for key, value in pg.items():
+                        sums[key] = sums.get(key, 0.0) + value * share
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+                self.optimizer.step()
+                steps += 1
+        stats.update({key: value / steps for key, value in sums.items()})  # means over optimizer steps
         rewards = batch.token_level_rewards.sum(-1)
         stats.update({
             "samples": float(n),
+            "optimizer_steps": float(steps),
             "reward_mean": rewards.mean().item(),
             "advantage_abs_mean": masked_mean(advantages.abs(), mask).item(),
             "response_tokens_mean": batch.response_valid.sum(-1).mean().item(),
-            "grad_norm": float(grad_norm),
+            "samples_without_engine_logprobs": float(n - batch.has_engine.sum().item()),
         })
-        if batch.engine_logprobs is not None:
-            gap = masked_mean((batch.engine_logprobs.to(self.device) - old).abs(), mask).item()
+        if bool(batch.has_engine.any()):
+            # proximal (the trainer, start of the batch) against behaviour (the engine): the same weights
+            # when on-policy, so this is the numeric gap between the two; off-policy it grows with staleness
+            gap = masked_mean((engine - old).abs(), mask * has_engine).item()
             stats["engine_logprob_gap"] = gap if math.isfinite(gap) else float("nan")
         return stats

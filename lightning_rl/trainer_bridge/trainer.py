@@ -1,10 +1,12 @@
 """``Trainer.fit``: the training loop over a task set, on the same mechanism as production.
 
 Each step: sample ``tasks_per_step`` tasks, queue each ``n`` times (one group), let runners execute
-the traced agent against the served model, build samples from the *succeeded* rollouts of those
-groups (failed and timed-out ones are counted, never trained on), update the policy, publish the
-new weights (policy version = step + 1), and append a metrics line to ``metrics.jsonl``. Optional
-held-out evaluation before and after (``mode="eval"``). ``plot_metrics`` draws reward against step.
+the traced agent against the served model, build samples from those groups, update the policy,
+publish the new weights (policy version = step + 1), and append a metrics line to
+``metrics.jsonl``. Succeeded rollouts are trained on with their rewards; rollouts the model made fail
+with ``failure_reward``; a group with an infrastructure failure is left out whole
+(``trainer_bridge/failures.py``). Everything left out is counted in the line. Optional held-out
+evaluation before and after (``mode="eval"``). ``plot_metrics`` draws reward against step.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, UnknownNameError
-from ..records import RolloutStatus, Sample, Trajectory
+from ..records import RolloutStatus, Sample
 from ..store.base import Store
-from ..store.samples import trajectory_samples
+from ..store.samples import SampleStats, trajectory_samples
+from .failures import INFRA_ERRORS, FailureCounts, failure_kind, with_failure_reward
 from .local import LocalBackend, LocalConfig
 from .publishers import Publisher, make_publisher
 from .runner import Runner, run_in_processes
@@ -66,6 +69,8 @@ class Trainer:
     progress: bool = True
     publisher: Publisher | None = None
     processes: int = 0  # > 0: sync agents run in this many worker processes (SQLite store, importable agent)
+    failure_reward: float = 0.0  # the reward of a rollout the model made fail (it is trained on)
+    infra_errors: frozenset[str] = INFRA_ERRORS  # error types that are not the model's: their group is dropped
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -74,6 +79,10 @@ class Trainer:
             )
         if not self.tasks:
             raise ConfigurationError("Trainer needs at least one task")
+        if self.n < 2 and self.local.adv_estimator == "grpo":
+            raise ConfigurationError(
+                f"GRPO compares the tries of a task, so it needs n >= 2 (got n={self.n}); raise n, or use "
+                "LocalConfig(adv_estimator='batch_baseline')")
         self.out_dir = Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -112,6 +121,45 @@ class Trainer:
             counts[str(e.outcome)] = counts.get(str(e.outcome), 0) + 1
         return [e.rollout_id for e in entries if e.outcome == RolloutStatus.SUCCEEDED], counts
 
+    def step_batch(self, groups: Sequence[str]) -> tuple[list[Sample], list[float], dict[str, Any]]:
+        """The samples of these groups (failures handled as the module says), the reward of each trained
+        rollout, and the counts for the metrics line: outcomes, failures by kind, groups dropped, prefix
+        splits, calls without engine token ids, samples without a reward."""
+        entries = self.store.queue_entries(groups)
+        outcomes: dict[str, int] = {}
+        by_group: dict[str, list] = {}
+        for e in entries:
+            outcomes[str(e.outcome)] = outcomes.get(str(e.outcome), 0) + 1
+            by_group.setdefault(e.group_id, []).append(e)
+        failures, stats = FailureCounts(), SampleStats()
+        samples: list[Sample] = []
+        rewards: list[float] = []
+        for group in by_group.values():
+            trajectories = [self.store.trajectory(e.rollout_id, credit=self.credit) for e in group]  # assembled once
+            kinds = [failure_kind(t, self.infra_errors) for t in trajectories]
+            if "infra" in kinds:
+                failures.infra_failures += kinds.count("infra")
+                failures.groups_dropped += 1
+                failures.tries_dropped += len(group)
+                continue
+            for traj, kind in zip(trajectories, kinds):
+                found, s = trajectory_samples(traj, level=self.level, agents=self.agents)
+                stats.add(s)
+                if kind == "model":
+                    failures.model_failures += 1
+                    found = with_failure_reward(found, self.failure_reward)
+                    rewards.append(self.failure_reward)
+                else:
+                    rewards.append(traj.final_reward or 0.0)
+                for sample in found:
+                    if sample.reward is None:
+                        stats.skipped_unrewarded += 1
+                    else:
+                        samples.append(sample)
+        counts = {"outcomes": outcomes, **failures.as_metrics(), "prefix_splits": stats.splits,
+                  "calls_without_engine_ids": stats.missing_token_ids, "unrewarded_samples": stats.skipped_unrewarded}
+        return samples, rewards, counts
+
     def evaluate(self, tasks: Sequence[Any] | None = None, *, n: int | None = None) -> float:
         """Mean final reward of held-out tasks (``mode="eval"``; failed rollouts count as 0)."""
         tasks = list(tasks if tasks is not None else self.eval_tasks)
@@ -120,13 +168,6 @@ class Trainer:
         rewards = [self.store.trajectory(e.rollout_id).final_reward or 0.0
                    if e.outcome == RolloutStatus.SUCCEEDED else 0.0 for e in entries]
         return sum(rewards) / max(1, len(rewards))
-
-    def samples_of(self, trajectories: Sequence[Trajectory]) -> list[Sample]:
-        out: list[Sample] = []
-        for traj in trajectories:
-            samples, _ = trajectory_samples(traj, level=self.level, agents=self.agents)
-            out += [s for s in samples if s.reward is not None]
-        return out
 
     # -- the loop -----------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -144,12 +185,8 @@ class Trainer:
         for step in range(self.steps):
             batch = [self.tasks[self._rng.randrange(len(self.tasks))] for _ in range(self.tasks_per_step)]
             groups = self._run_groups(self.agent, batch, self.n, "train", f"rollouts step {step + 1}")
-            rollout_ids, counts = self._outcomes(groups)
-            trajectories = [self.store.trajectory(r, credit=self.credit) for r in rollout_ids]  # assembled once
-            samples = self.samples_of(trajectories)
-            rewards = [t.final_reward or 0.0 for t in trajectories]
-            line: dict[str, Any] = {"step": step + 1, "outcomes": counts,
-                                    "train_reward": sum(rewards) / max(1, len(rewards))}
+            samples, rewards, counts = self.step_batch(groups)
+            line: dict[str, Any] = {"step": step + 1, **counts, "train_reward": sum(rewards) / max(1, len(rewards))}
             if samples:
                 line.update(backend.update(samples))
                 publisher.publish(backend.model, step + 1)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import lightning_rl as lrl
-from lightning_rl.trainer_bridge import PublishError, VLLMLoRAPublisher, make_publisher
 from lightning_rl.tracer import tracing
+from lightning_rl.trainer_bridge import PublishError, VLLMLoRAPublisher, make_publisher
 
 from ..conftest import ensure_tiny_model
 

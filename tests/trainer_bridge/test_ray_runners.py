@@ -3,8 +3,6 @@ Runs in .venv-verl (which has Ray) with `pytest -m ray`; skipped where Ray is no
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import pytest

@@ -1,0 +1,80 @@
+"""Failed rollouts in the batch: the model's failures are trained with the failure reward, a group hit by
+an infrastructure failure is left out whole, and the metrics line counts both."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lightning_rl.records import Rollout, RolloutStatus
+from lightning_rl.trainer_bridge.failures import failure_kind
+from lightning_rl.trainer_bridge.trainer import Trainer
+
+from ..store.helpers import llm_span
+
+# per group: (status, error, final reward) of each try
+GROUPS = {
+    "a": [("succeeded", None, 1.0), ("failed", "JSONDecodeError: Expecting value: line 1", None), ("succeeded", None, 0.0)],
+    "b": [("succeeded", None, 1.0), ("failed", "APIConnectionError: Connection error.", None)],
+    "c": [("succeeded", None, 1.0), ("timed_out", "lease of runner 'r' expired", None)],
+}
+
+
+def _run(store) -> list[str]:
+    """Tries that ended as GROUPS says, through the real queue, each with two LLM calls."""
+    groups = []
+    for name, tries in GROUPS.items():
+        entries = store.enqueue({"task": name}, n=len(tries))
+        groups.append(entries[0].group_id)
+        for entry, (status, error, reward) in zip(store.lease("r", limit=len(tries)), tries):
+            rid = entry.rollout_id
+            store.start_rollout(Rollout(rollout_id=rid, task=entry.task, group_id=entry.group_id, attempt=entry.attempt))
+            store.add_spans([llm_span(rid, 1, 0, [1, 2], [3, 4]), llm_span(rid, 2, 1, [1, 2, 3, 4, 5], [6])])
+            if reward is not None:
+                store.add_reward(rid, reward, source="returned")
+            store.finish_rollout(rid, RolloutStatus(status), time.time(), error)
+            store.complete(entry.queue_id, "r", status)
+    store.flush()
+    return groups
+
+
+@pytest.mark.parametrize("failure_reward", [0.0, -0.5])
+def test_model_failures_train_infra_failures_drop_their_group(sqlite_store, tmp_path, failure_reward):
+    groups = _run(sqlite_store)
+    trainer = Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused",
+                      server_url="http://127.0.0.1:9", out_dir=tmp_path, n=3, progress=False,
+                      failure_reward=failure_reward)
+    samples, rewards, counts = trainer.step_batch(groups)
+    assert {s.group_id for s in samples} == {groups[0]}  # groups b and c are left out whole
+    assert len(samples) == 6  # 3 tries of group a x 2 calls (level="call")
+    failed = [s for s in samples if s.reward == failure_reward and s.rollout_id in _failed(sqlite_store)]
+    assert len(failed) == 2
+    assert sorted(rewards) == sorted([1.0, failure_reward, 0.0])
+    assert counts["model_failures"] == 1 and counts["infra_failures"] == 2
+    assert counts["groups_dropped_infra"] == 2 and counts["tries_dropped_infra"] == 4
+    assert counts["outcomes"] == {"succeeded": 4, "failed": 2, "timed_out": 1}
+    assert counts["prefix_splits"] == 0 and counts["calls_without_engine_ids"] == 0
+
+
+def _failed(store) -> set[str]:
+    return {r.rollout_id for r in store.rollouts(status="failed")}
+
+
+def test_failure_kinds():
+    def rollout(status, error=None):
+        return Rollout(rollout_id="x", status=status, error=error)
+
+    assert failure_kind(rollout("succeeded")) is None
+    assert failure_kind(rollout("timed_out", "rollout timeout")) == "infra"
+    assert failure_kind(rollout("failed", "ValidationError: 1 validation error for AIMessage")) == "model"
+    assert failure_kind(rollout("failed", "APITimeoutError: Request timed out.")) == "infra"
+    assert failure_kind(rollout("failed", "MyToolDown: 503"), infra_errors={"MyToolDown"}) == "infra"
+
+
+def test_grpo_needs_groups(tmp_path, sqlite_store):
+    import lightning_rl as lrl
+
+    with pytest.raises(lrl.ConfigurationError, match="n >= 2.*batch_baseline"):
+        Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused",
+                server_url="http://127.0.0.1:9", out_dir=tmp_path, n=1, progress=False)
