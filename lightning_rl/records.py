@@ -155,6 +155,15 @@ class Reward(_Record):
         return check_reward(value)
 
 
+class PolicyRecord(_Record):
+    """One publish: the served model name answered with these weights from ``time`` on."""
+
+    served_name: str = Field(min_length=1)
+    version: int = Field(ge=0)
+    adapter: str | None = None
+    time: float = Field(default_factory=time.time)
+
+
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str | None = None

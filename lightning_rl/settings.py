@@ -14,7 +14,11 @@ variable                           meaning                                      
 ``LIGHTNING_RL_CAPTURE_LOGPROBS``  add ``logprobs`` to LLM requests in a rollout               ``1``
 ``LIGHTNING_RL_NO_INJECT_HOSTS``   hosts whose LLM requests never get ``return_token_ids`` /   none (api.openai.com
                                    ``logprobs`` (comma-separated; providers that refuse them)  is always skipped)
-``LIGHTNING_RL_POLICY_VERSION``    policy version of the served model at start-up              ``0``
+``LIGHTNING_RL_POLICY_VERSION``    policy version of the served model at start-up, until the   ``0``
+                                   store has a publish of it
+``LIGHTNING_RL_POLICY_REFRESH``    seconds between reads of the store's publishes (the         ``1``
+                                   versions LLM calls are stamped with); read in the
+                                   background, so a call never waits for the store
 ``LIGHTNING_RL_QUEUE_SIZE``        bound of the background writer's queue (records); a full    ``8192``
                                    queue blocks the producer (back-pressure), it never drops
 ``LIGHTNING_RL_FLUSH_TIMEOUT``     seconds a finishing rollout waits for its rows to be on     ``60``
@@ -38,6 +42,7 @@ ENV_CAPTURE_TOKEN_IDS = "LIGHTNING_RL_CAPTURE_TOKEN_IDS"
 ENV_CAPTURE_LOGPROBS = "LIGHTNING_RL_CAPTURE_LOGPROBS"
 ENV_POLICY_VERSION = "LIGHTNING_RL_POLICY_VERSION"
 ENV_NO_INJECT_HOSTS = "LIGHTNING_RL_NO_INJECT_HOSTS"
+ENV_POLICY_REFRESH = "LIGHTNING_RL_POLICY_REFRESH"
 ENV_SQLITE_SYNCHRONOUS = "LIGHTNING_RL_SQLITE_SYNCHRONOUS"
 SQLITE_SYNCHRONOUS = ("normal", "full")
 ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
@@ -91,6 +96,7 @@ class Settings:
     capture_token_ids: bool = True
     capture_logprobs: bool = True
     policy_version: int = 0
+    policy_refresh: float = 1.0
     queue_size: int = 8192
     flush_timeout: float = 60.0
     no_inject_hosts: frozenset[str] = frozenset()
@@ -105,6 +111,7 @@ class Settings:
             capture_token_ids=_flag(ENV_CAPTURE_TOKEN_IDS, True),
             capture_logprobs=_flag(ENV_CAPTURE_LOGPROBS, True),
             policy_version=int(_number(ENV_POLICY_VERSION, 0, int)),
+            policy_refresh=float(_number(ENV_POLICY_REFRESH, 1.0, float)),
             queue_size=max(1, int(_number(ENV_QUEUE_SIZE, 8192, int))),
             flush_timeout=float(_number(ENV_FLUSH_TIMEOUT, 60.0, float)),
             no_inject_hosts=frozenset(h.strip() for h in os.environ.get(ENV_NO_INJECT_HOSTS, "").split(",") if h.strip()),

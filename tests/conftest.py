@@ -61,7 +61,7 @@ def traced(tmp_path):
     yield store
     tracing.settings.capture_token_ids, tracing.settings.capture_logprobs, tracing.settings.mode = settings
     tracing.set_sink(previous)
-    tracing.set_policy_version(0)
+    tracing.reset_policy_versions()
     store.close()
 
 

@@ -245,7 +245,7 @@ class LightningRLCallbackHandler(BaseCallbackHandler):
             semconv.TOKEN_IDS_SOURCE: semconv.SOURCE_MISSING,
             semconv.FRAMEWORK_RUN_ID: hint.framework_run_id or "",
             semconv.GEN_AI_OUTPUT_MESSAGES: orjson.dumps([{"role": "assistant", "content": "".join(texts)}]).decode(),
-            semconv.POLICY_VERSION: tracing.policy_version(),
+            semconv.POLICY_VERSION: state.call_version(tracing.policy_version()),
         }
         if hint.agent:
             attrs[semconv.GEN_AI_AGENT_NAME] = hint.agent

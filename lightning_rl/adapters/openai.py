@@ -101,6 +101,9 @@ class LLMCall:
     def __init__(self, client: Any, options: Any, op: str, state: RolloutState) -> None:
         body = options.json_data if isinstance(options.json_data, dict) else {}
         extra = dict(options.extra_json) if options.extra_json else {}
+        if state.sampling:  # the trainer's sampling settings win over the agent's (verl)
+            extra.update({k: v for k, v in state.sampling.items() if v is not None})
+            options.extra_json = extra
         request = {**body, **extra} if extra else body
         base_url = getattr(client, "base_url", None)
         host = getattr(base_url, "host", None)
@@ -142,7 +145,7 @@ class LLMCall:
             semconv.GEN_AI_PROVIDER_NAME: "openai",
             semconv.ROLLOUT_ID: state.rollout_id,
             semconv.LLM_CALL_INDEX: self.index,
-            semconv.POLICY_VERSION: tracing.policy_version(self.model),
+            semconv.POLICY_VERSION: state.call_version(tracing.policy_version(self.model)),
             semconv.GEN_AI_INPUT_MESSAGES: _dumps(messages),
         }
         if self.model is not None:

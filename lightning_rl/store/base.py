@@ -12,7 +12,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
-from ..records import Mode, QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Sample, Span, Trajectory
+from ..records import (
+    Mode,
+    PolicyRecord,
+    QueueEntry,
+    Reward,
+    RewardSource,
+    Rollout,
+    RolloutStatus,
+    Sample,
+    Span,
+    Trajectory,
+)
 from ..settings import check_mode
 from . import task_queue
 from .assembly import assemble
@@ -52,6 +63,17 @@ class Store:
         raise NotImplementedError
 
     def _queue_txn(self, fn):  # fn(view: task_queue.QueueView) -> T, run atomically
+        raise NotImplementedError
+
+    def _insert_policy(self, record: PolicyRecord) -> None:  # durable on return
+        raise NotImplementedError
+
+    def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
+        """In publish order; ``latest``: only the last publish of each name."""
+        raise NotImplementedError
+
+    def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
+        """``(position, rollout_id)`` of rewards stored after position ``after``, in order."""
         raise NotImplementedError
 
     def write_batch(self, items: list[tuple[str, Any]]) -> None:
@@ -145,6 +167,41 @@ class Store:
         )
         self._insert_reward(reward)
         return reward
+
+    def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
+        """Rollouts that got a reward (named ``name``, or any) since position ``after``, and the
+        position to pass next time: a poller reads what is new, not the store's history."""
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise ConfigurationError(f"after must be a position returned by rewarded_since (an int >= 0), got {shown(after)}")
+        rows = self._rewards_after(after, name, limit)
+        ids = list(dict.fromkeys(rid for _, rid in rows))
+        return ids, (rows[-1][0] if rows else after)
+
+    # -- policies: which weights each served name answers with ------------------------------------
+    def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
+                      time: float | None = None) -> PolicyRecord:
+        """Record a publish (trainers call it after the weights are live). Durable on return; every
+        process that traces into this store stamps its LLM calls from these records."""
+        if not isinstance(served_name, str) or not served_name:
+            raise ConfigurationError(f"served_name must be the model name agents request, got {shown(served_name)}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigurationError(f"policy version must be a non-negative int, got {shown(version)}")
+        record = PolicyRecord(served_name=served_name, version=version, adapter=adapter,
+                              **({"time": time} if time is not None else {}))
+        self._insert_policy(record)
+        return record
+
+    def policies(self, served_name: str | None = None) -> list[PolicyRecord]:
+        """Every recorded publish (of ``served_name``, or of all), oldest first."""
+        return self._query_policies(served_name)
+
+    def latest_policies(self) -> dict[str, PolicyRecord]:
+        """The latest publish of each served name: what it answers with now."""
+        return {p.served_name: p for p in self._query_policies(None, latest=True)}
+
+    def policy_versions(self) -> dict[str, int]:
+        """The version each served name answers with now."""
+        return {name: p.version for name, p in self.latest_policies().items()}
 
     def trajectory(self, rollout_id: str, *, credit: str = "final", reward_name: str = "reward", **credit_kwargs: Any) -> Trajectory:
         rollout = self.get_rollout(rollout_id)

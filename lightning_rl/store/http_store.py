@@ -37,7 +37,7 @@ import orjson
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
-from ..records import QueueEntry, QueueStatus, Reward, Rollout, RolloutStatus, Span, SpanRow
+from ..records import PolicyRecord, QueueEntry, QueueStatus, Reward, Rollout, RolloutStatus, Span, SpanRow
 from ..settings import Settings
 from . import wire
 from .base import Store
@@ -127,8 +127,9 @@ class HttpStore(Store):
     def write_reward(self, reward: Reward) -> None:
         self._writer.put("op", wire.encode_reward(reward))
 
-    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
-        self._writer.put("op", wire.encode_finish(rollout_id, status, end_time, error))
+    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
+                       policy_version: int | None = None) -> None:
+        self._writer.put("op", wire.encode_finish(rollout_id, status, end_time, error, policy_version))
 
     def flush(self, timeout: float | None = None) -> bool:
         if self._closed:
@@ -294,6 +295,22 @@ class HttpStore(Store):
 
     def _get_rewards(self, rollout_id: str) -> list[Reward]:
         return wire.REWARDS.validate_python(self._request("GET", f"/rollouts/{_quote(rollout_id)}/rewards"))
+
+    def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
+        raise NotImplementedError  # rewarded_since is one request
+
+    def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
+        self.flush()
+        data = wire.RewardedSince.model_validate(
+            self._request("GET", "/rewards", params=dict(after=after, name=name, limit=limit)))
+        return data.rollout_ids, data.position
+
+    def _insert_policy(self, record: PolicyRecord) -> None:
+        self._request("POST", "/policies", json=record.model_dump(mode="json", exclude={"schema_version"}))
+
+    def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
+        data = self._request("GET", "/policies", params=dict(served_name=served_name, latest="true" if latest else None))
+        return [PolicyRecord.model_validate(x) for x in data]
 
     def _insert_reward(self, reward: Reward) -> None:
         self._request("POST", "/rewards", json=dict(

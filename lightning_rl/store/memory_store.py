@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from ..diagnostics import count
-from ..records import QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
+from ..records import PolicyRecord, QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
 from .base import Store
 from .rows import span_from_values, span_values
 
@@ -18,6 +18,8 @@ class InMemoryStore(Store):
         self._spans: dict[str, dict[int, Span]] = {}
         self._rewards: dict[str, list[Reward]] = {}
         self._reward_uids: set[str] = set()
+        self._reward_log: list[tuple[str, str]] = []  # (rollout_id, name) in arrival order
+        self._policies: list[PolicyRecord] = []
         self._queue: dict[str, QueueEntry] = {}
         self._qlock = threading.Lock()
 
@@ -36,16 +38,19 @@ class InMemoryStore(Store):
             if reward.uid in self._reward_uids:
                 return
             self._reward_uids.add(reward.uid)
+            self._reward_log.append((reward.rollout_id, reward.name))
             self._rewards.setdefault(reward.rollout_id, []).append(reward)
 
-    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
+    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
+                       policy_version: int | None = None) -> None:
         with self._lock:
             rollout = self._rollouts.get(rollout_id)
             if rollout is None or rollout.status not in allowed_from(status):
                 count("rejected_status_transitions")
                 return
             self._rollouts[rollout_id] = rollout.model_copy(
-                update={"status": RolloutStatus(status), "end_time": end_time, "error": error}
+                update={"status": RolloutStatus(status), "end_time": end_time, "error": error,
+                        "policy_version": rollout.policy_version if policy_version is None else policy_version}
             )
 
     def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
@@ -104,6 +109,21 @@ class InMemoryStore(Store):
     def _queue_txn(self, fn):
         with self._qlock:
             return fn(_MemoryQueueView(self._queue))
+
+    def _insert_policy(self, record: PolicyRecord) -> None:
+        with self._lock:
+            self._policies.append(record)
+
+    def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
+        with self._lock:
+            found = [p for p in self._policies if served_name is None or p.served_name == served_name]
+        return list({p.served_name: p for p in found}.values()) if latest else found
+
+    def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
+        with self._lock:
+            log = self._reward_log[after:]
+        out = [(after + i + 1, rid) for i, (rid, n) in enumerate(log) if name is None or n == name]
+        return out[:limit]
 
 
 class _MemoryQueueView:

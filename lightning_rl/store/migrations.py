@@ -93,6 +93,16 @@ def _reward_uids(db: sqlite_utils.Database) -> None:
     db["rewards"].create_index(["uid"], index_name="rewards_uid", unique=True)
 
 
+@migration(4, "policies: every publish of a served model's weights")
+def _policies(db: sqlite_utils.Database) -> None:
+    db["policies"].create(
+        {"publish_id": int, "served_name": str, "version": int, "adapter": str, "time": float},
+        pk="publish_id",
+        not_null={"served_name", "version", "time"},
+    )
+    db["policies"].create_index(["served_name", "publish_id"], index_name="policies_name")
+
+
 def _user_tables(conn: sqlite3.Connection) -> list[str]:
     rows = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")
     return [r[0] for r in rows]

@@ -38,7 +38,7 @@ except ImportError as exc:  # the server is an extra; clients need only the core
         f"the store server needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
     ) from None
 from ..diagnostics import counters
-from ..records import QueueEntry, Reward, Rollout, Span
+from ..records import PolicyRecord, QueueEntry, Reward, Rollout, Span
 from ..settings import check_synchronous
 from . import wire
 from .base import Store
@@ -264,6 +264,26 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
             data.rollout_id, data.value, data.name, llm_call_index=data.llm_call_index, agent=data.agent,
             source=data.source, uid=data.uid))
         return _json(reward.model_dump(mode="json"))
+
+    @app.get(f"{p}/rewards", response_model=wire.RewardedSince)
+    async def rewarded_since(after: int = 0, name: str | None = None, limit: int = 10_000) -> Response:
+        """Rollouts rewarded since position ``after`` (a continuous trainer's poll)."""
+        ids, position = await anyio.to_thread.run_sync(lambda: store.rewarded_since(after, name=name, limit=limit))
+        return _json({"rollout_ids": ids, "position": position})
+
+    @app.post(f"{p}/policies", response_model=PolicyRecord, openapi_extra=_body_schema(wire.PolicyIn))
+    async def record_policy(request: Request) -> Response:
+        """Record a publish (durable on return); every process stamps its LLM calls from these."""
+        data = await body_of(request, wire.PolicyIn)
+        record = await anyio.to_thread.run_sync(lambda: store.record_policy(
+            data.served_name, data.version, adapter=data.adapter, time=data.time))
+        return _json(record.model_dump(mode="json"))
+
+    @app.get(f"{p}/policies", response_model=list[PolicyRecord])
+    async def policies(served_name: str | None = None, latest: bool = False) -> Response:
+        """Recorded publishes, oldest first; ``latest``: the last one of each served name."""
+        found = await anyio.to_thread.run_sync(lambda: store._query_policies(served_name, latest))
+        return _json([r.model_dump(mode="json") for r in found])
 
     @app.get(f"{p}/rollouts", response_model=list[Rollout])
     async def rollouts(mode: str | None = None, status: str | None = None, since: float | None = None,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,25 @@ import orjson
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
-from ..records import Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
+from ..records import PolicyRecord, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
 from ..settings import Settings, check_synchronous
 from .base import Store
 from .lifecycle import track
 from .migrations import check_is_store, migrate
 from .rows import (
-    QUEUE_COLUMNS, queue_from_values, queue_values,
-    REWARD_COLUMNS, ROLLOUT_COLUMNS, SPAN_COLUMNS, reward_from_values, reward_values,
-    rollout_from_values, rollout_values, span_from_values, span_record_values, span_values,
+    QUEUE_COLUMNS,
+    REWARD_COLUMNS,
+    ROLLOUT_COLUMNS,
+    SPAN_COLUMNS,
+    queue_from_values,
+    queue_values,
+    reward_from_values,
+    reward_values,
+    rollout_from_values,
+    rollout_values,
+    span_from_values,
+    span_record_values,
+    span_values,
 )
 from .spill import SpillFiles
 from .writer import BackgroundWriter
@@ -165,8 +174,9 @@ class SQLiteStore(Store):
     def write_reward(self, reward: Reward) -> None:
         self._writer.put("reward", reward)
 
-    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None) -> None:
-        self._writer.put("finish", (rollout_id, RolloutStatus(status).value, end_time, error))
+    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
+                       policy_version: int | None = None) -> None:
+        self._writer.put("finish", (rollout_id, RolloutStatus(status).value, end_time, error, policy_version))
 
     def expire_rollout(self, entry, reason: str) -> None:
         tombstone = self._tombstone(entry, reason)
@@ -253,12 +263,13 @@ class SQLiteStore(Store):
                 _insert_many(conn, spans)
             if rewards:
                 conn.executemany(_INSERT_REWARD, rewards)
-            for rollout_id, status, end_time, error in finishes:
+            for rollout_id, status, end_time, error, *version in finishes:  # spills before 0.1 have no version
                 sources = sorted(s.value for s in allowed_from(status))
                 marks = ", ".join("?" * len(sources))
                 cur = conn.execute(
-                    f"UPDATE rollouts SET status = ?, end_time = ?, error = ? WHERE rollout_id = ? AND status IN ({marks})",
-                    (status, end_time, error, rollout_id, *sources),
+                    "UPDATE rollouts SET status = ?, end_time = ?, error = ?, policy_version = coalesce(?, policy_version) "
+                    f"WHERE rollout_id = ? AND status IN ({marks})",
+                    (status, end_time, error, version[0] if version else None, rollout_id, *sources),
                 )
                 if cur.rowcount == 0:
                     count("rejected_status_transitions")
@@ -354,6 +365,32 @@ class SQLiteStore(Store):
         self._writer.put("reward", reward)
         if not self.flush(Settings.from_env().flush_timeout):
             raise StoreError(f"reward for {reward.rollout_id!r} queued but not confirmed on disk in {self.path!r} in time")
+
+    def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
+        sql = "SELECT reward_id, rollout_id FROM rewards WHERE reward_id > ?"
+        params: tuple = (after,)
+        if name is not None:
+            sql, params = sql + " AND name = ?", (after, name)
+        return [tuple(r) for r in self._read(sql + " ORDER BY reward_id LIMIT ?", (*params, int(limit)))]
+
+    def _insert_policy(self, record: PolicyRecord) -> None:
+        def insert(view: _SQLiteQueueView) -> None:
+            view._conn.execute("INSERT INTO policies (served_name, version, adapter, time) VALUES (?, ?, ?, ?)",
+                              (record.served_name, record.version, record.adapter, record.time))
+        self._queue_txn(insert)
+
+    def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
+        where, params = [], []
+        if served_name is not None:
+            where, params = ["served_name = ?"], [served_name]
+        if latest:
+            where.append("publish_id IN (SELECT max(publish_id) FROM policies GROUP BY served_name)")
+        sql = "SELECT served_name, version, adapter, time FROM policies"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        params = tuple(params)
+        rows = self._read(sql + " ORDER BY publish_id", params)
+        return [PolicyRecord(served_name=n, version=v, adapter=a, time=t) for n, v, a, t in rows]
 
 
 # Spill folders of stores open in this process: a store opened on a folder nobody here uses may take

@@ -89,6 +89,8 @@ class FinishRolloutOp(_Wire):
     status: RolloutStatus
     end_time: float
     error: str | None = None
+    #: The rollout's version, derived from its LLM calls when it ends (the oldest that served it).
+    policy_version: int | None = Field(None, ge=0)
 
 
 Op = Annotated[Union[StartRolloutOp, SpanOp, RewardOp, FinishRolloutOp], Field(discriminator="op")]
@@ -139,6 +141,22 @@ class CompleteIn(_Wire):
     queue_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     outcome: RolloutStatus
+
+
+class PolicyIn(_Wire):
+    """A publish: ``served_name`` answers with weights ``version`` (an adapter path, if any) from now on."""
+
+    served_name: str = Field(min_length=1, max_length=256)
+    version: int = Field(ge=0)
+    adapter: str | None = Field(None, max_length=4096)
+    time: float | None = None
+
+
+class RewardedSince(_Wire):
+    """Rollouts rewarded since a position, and the position to ask from next time."""
+
+    rollout_ids: list[str]
+    position: int
 
 
 class GroupsIn(_Wire):
@@ -241,7 +259,7 @@ def to_store_items(ops: list[Any]) -> list[tuple[str, Any]]:
         elif isinstance(op, RewardOp):
             items.append(("reward", op.reward))
         else:
-            items.append(("finish", (op.rollout_id, op.status.value, op.end_time, op.error)))
+            items.append(("finish", (op.rollout_id, op.status.value, op.end_time, op.error, op.policy_version)))
     return items
 
 
@@ -263,9 +281,10 @@ def encode_reward(reward: Reward) -> bytes:
     return orjson.dumps({"op": "reward", "reward": reward.model_dump(mode="json")})
 
 
-def encode_finish(rollout_id: str, status: RolloutStatus | str, end_time: float, error: str | None) -> bytes:
-    return orjson.dumps({"op": "finish_rollout", "rollout_id": rollout_id,
-                         "status": RolloutStatus(status).value, "end_time": end_time, "error": error})
+def encode_finish(rollout_id: str, status: RolloutStatus | str, end_time: float, error: str | None,
+                  policy_version: int | None = None) -> bytes:
+    return orjson.dumps({"op": "finish_rollout", "rollout_id": rollout_id, "status": RolloutStatus(status).value,
+                         "end_time": end_time, "error": error, "policy_version": policy_version})
 
 
 def batch_body(ops: list[bytes]) -> bytes:

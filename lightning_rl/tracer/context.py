@@ -29,10 +29,19 @@ class RolloutState:
     last_llm_call: int | None = None  # index of the latest LLM call that finished
     last_llm_call_by_agent: dict[str, int] = field(default_factory=dict)
     open_calls: dict[int, Any] = field(default_factory=dict)  # in-flight LLM calls (streams)
+    oldest_call_version: int | None = None  # the rollout's version when it ends
+    sampling: dict[str, Any] | None = None  # imposed on every LLM request (rollout_overrides(sampling=))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_llm_call(self) -> int:
         return next(self.llm_call_counter)
+
+    def call_version(self, version: int) -> int:
+        """Note the policy version an LLM call of this rollout is stamped with; returns it."""
+        with self.lock:
+            if self.oldest_call_version is None or version < self.oldest_call_version:
+                self.oldest_call_version = version
+        return version
 
     def llm_call_finished(self, index: int, agent: str | None) -> None:
         with self.lock:

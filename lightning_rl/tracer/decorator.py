@@ -44,7 +44,9 @@ from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
 from .provider import agent_span, parent_context, tracing
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
-_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout", "endpoint"})
+_OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout", "endpoint", "sampling"})
+#: Sampling fields a trainer may impose on every LLM request of a rollout (``sampling=``).
+SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "seed"})
 
 
 @contextlib.contextmanager
@@ -52,13 +54,19 @@ def rollout_overrides(**values: Any) -> Iterator[None]:
     """Set fields of the next rollout(s) started in this context: ``rollout_id``, ``group_id``,
     ``attempt``, ``mode``, ``task``, ``timeout`` (seconds; async agents: the rollout ends
     ``timed_out`` when it is exceeded) and ``endpoint`` (``(base_url, model)`` the agent should
-    call, read with ``current_endpoint()``; set by trainers that choose the server, e.g. verl).
+    call, read with ``current_endpoint()``; set by trainers that choose the server, e.g. verl) and
+    ``sampling`` (a dict of ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``
+    that every OpenAI request of the rollout is sent with, whatever the agent asked: the trainer
+    computes log-probs at the temperature it set, so the agent must sample at it too).
     Runners use it; users can use it to choose a rollout id."""
     unknown = set(values) - _OVERRIDE_KEYS
     if unknown:
         raise ConfigurationError(
             f"unknown rollout override(s) {sorted(unknown)}; known: {sorted(_OVERRIDE_KEYS)}"
         )
+    sampling = values.get("sampling")
+    if sampling is not None and (not isinstance(sampling, dict) or set(sampling) - SAMPLING_KEYS):
+        raise ConfigurationError(f"sampling must be a dict with keys among {sorted(SAMPLING_KEYS)}, got {sampling!r}")
     token = _overrides.set({**(_overrides.get() or {}), **values})
     try:
         yield
@@ -181,15 +189,16 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
         attempt=overrides.get("attempt", 0),
         mode=Mode(mode),
         status=RolloutStatus.RUNNING,
-        policy_version=tracing.policy_version(),
     )
     sink = tracing.sink()  # a store that cannot open is a set-up error: it surfaces here
+    # A provisional version: the rollout's own is the oldest of its LLM calls', set when it ends.
+    rollout.policy_version = tracing.policy_version()
     try:
         sink.start_rollout(rollout)
     except Exception as exc:
         report_failure("rollout start", exc)
     state = RolloutState(rollout.rollout_id, opts.name, agent, mode, rollout.policy_version,
-                         group_id=rollout.group_id, attempt=rollout.attempt)
+                         group_id=rollout.group_id, attempt=rollout.attempt, sampling=overrides.get("sampling"))
     rollout_token = _rollout.set(state)
     agent_token = _agent.set(None)
     hint_token = _llm_hint.set(None)
@@ -259,7 +268,7 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
     _agent.reset(agent_token)
     _rollout.reset(rollout_token)
     try:
-        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), error)
+        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), error, state.oldest_call_version)
     except Exception as failure:
         report_failure("rollout finish", failure)
     return reward_error

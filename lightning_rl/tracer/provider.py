@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -90,7 +91,12 @@ class Tracing:
         self.settings = Settings.from_env()
         self._sink: SpanSink | None = None
         self._sink_factory: Callable[[str], SpanSink] | None = None
+        # name -> (version, when it was learned); None is the default for names never published.
         self._policy_versions: dict[str | None, int] = {None: self.settings.policy_version}
+        self._set_at: dict[str | None, float] = {}
+        self._published: dict[str, tuple[int, float]] = {}  # the store's latest publish: (version, time)
+        self._published_at = float("-inf")
+        self._refreshing: threading.Thread | None = None
         limits = SpanLimits(
             max_span_attributes=512,
             max_events=1024,
@@ -115,6 +121,8 @@ class Tracing:
     def set_sink(self, sink: SpanSink | None) -> None:
         with self._lock:
             old, self._sink = self._sink, sink
+            if old is not sink:  # publishes read from the previous store are not this one's
+                self._published, self._published_at = {}, float("-inf")
         if old is not None and old is not sink:
             try:
                 old.flush()
@@ -141,16 +149,61 @@ class Tracing:
         self.provider.add_span_processor(processor)
 
     # -- policy versions ------------------------------------------------------------------------
+    # A version set in this process (its own publish) holds until the store records a later publish
+    # of that name; every process reads the store's publishes, so runner processes, Ray actors and
+    # agents behind the gateway stamp the same versions as the trainer that published them.
     def set_policy_version(self, version: int, model: str | None = None) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigurationError(f"policy version must be a non-negative int, got {version!r}")
         self._policy_versions[model] = version
+        self._set_at[model] = time.time()
+
+    def reset_policy_versions(self, default: int = 0) -> None:
+        """Forget every version this process set or read (tests; a new run in the same process)."""
+        with self._lock:
+            self._policy_versions, self._set_at = {None: default}, {}
+            self._published, self._published_at = {}, float("-inf")
 
     def policy_version(self, model: str | None = None) -> int:
-        versions = self._policy_versions
-        if model is not None and model in versions:
-            return versions[model]
-        return versions[None]
+        """The version ``model`` (a served name) answers with, as this process knows it now. With no
+        name: the only served name's version when exactly one is known, else the default."""
+        published = self._store_versions()
+        local = self._policy_versions
+        if model is None:
+            names = {n for n in (*local, *published) if n is not None}
+            if len(names) != 1:
+                return local[None]
+            model = names.pop()
+        if model in published and published[model][1] >= self._set_at.get(model, 0.0):
+            return published[model][0]
+        return local.get(model, local[None])
+
+    def _store_versions(self) -> dict[str, tuple[int, float]]:
+        """The store's publishes, refreshed in the background at most every ``policy_refresh``
+        seconds. Only the first read in a process waits, and for at most half a second."""
+        now = time.monotonic()
+        if now - self._published_at < self.settings.policy_refresh:
+            return self._published
+        sink = self._sink
+        if sink is None or not hasattr(sink, "latest_policies"):
+            return self._published
+        with self._lock:
+            thread = self._refreshing
+            if thread is None or not thread.is_alive():
+                thread = self._refreshing = threading.Thread(
+                    target=self._refresh, args=(sink,), name="lightning-rl-policy-versions", daemon=True)
+                thread.start()
+        if self._published_at == float("-inf"):
+            thread.join(0.5)
+        return self._published
+
+    def _refresh(self, sink: Any) -> None:
+        asked = time.monotonic()
+        try:
+            self._published = {name: (p.version, p.time) for name, p in sink.latest_policies().items()}
+        except Exception as exc:
+            report_failure("reading published policy versions", exc)
+        self._published_at = asked
 
 
 tracing = Tracing()

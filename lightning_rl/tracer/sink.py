@@ -24,7 +24,11 @@ class SpanSink(Protocol):
     def write_reward(self, reward: Reward) -> None: ...
 
     def finish_rollout(
-        self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None
+        self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
+        policy_version: int | None = None,
     ) -> None: ...
+
+    # Optional: ``policy_versions() -> dict[str, int]``, the latest publish of each served name
+    # (stores have it); the tracer stamps LLM calls from it.
 
     def flush(self, timeout: float | None = None) -> bool: ...

@@ -3,15 +3,16 @@
 Production agents run with ``mode="prod"``; rewards arrive during the rollout or long after it
 (``store.add_reward`` user feedback). Each ``step()``:
 
-1. takes succeeded prod rollouts that have a reward (of ``reward_name``) and were not used yet;
-2. dates each rollout with the policy version that served it: the latest version this trainer
-   published before the rollout started (agents in other processes cannot know the trainer's
-   versions), or a higher one recorded on its LLM spans;
+1. takes succeeded prod rollouts rewarded (``reward_name``) since the last check: a check reads
+   what is new, never the store's whole history;
+2. dates each rollout with the policy version that served it: the oldest version its LLM calls
+   were stamped with (every process stamps from the publishes recorded in the store);
 3. drops (and counts) rollouts more than ``max_policy_lag`` versions behind the current one;
 4. when at least ``min_new`` fresh rewarded rollouts exist, updates with an estimator that needs
    no groups (``batch_baseline`` by default) and publishes version + 1.
 
-State (published versions with their times, used and dropped rollout ids) is kept in
+State (published versions with their times, used and dropped rollout ids, the position in the
+store's rewards, rollouts rewarded while running, rewarded rollouts waiting for ``min_new``) is kept in
 ``out_dir/continuous_state.json``, so a restarted trainer resumes where it stopped.
 """
 
@@ -23,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..records import Trajectory
+from ..records import Mode, RolloutStatus, Trajectory
 from ..store.base import Store
-from ..store.samples import trajectory_samples
+from ..store.samples import SampleStats, trajectory_samples
 from .local import LocalBackend, LocalConfig
-from .publishers import Publisher, make_publisher
+from .publishers import Publisher, make_publisher, publish_and_record
 
 
 @dataclass
@@ -57,6 +58,9 @@ class ContinuousTrainer:
         else:
             self.state = {"published": [], "used": [], "dropped": []}
         self.backend: LocalBackend | None = None
+        self._waiting: dict[str, Trajectory] = {}  # fresh, rewarded, not yet trained on
+        self._dropped_since_update = 0
+        self.last_check: dict[str, int] = {}
 
     @property
     def version(self) -> int:
@@ -74,9 +78,11 @@ class ContinuousTrainer:
         self.publisher = self.publisher or make_publisher(
             "vllm_lora", server_url=self.server_url, adapter_dir=adapters, served_name=self.served_name)
         self._publish(max(self.version, 0))
+        for rid in self.state.get("waiting", []):  # fresh rollouts a stopped trainer had not used yet
+            self._waiting[rid] = self.store.trajectory(rid, credit=self.credit, reward_name=self.reward_name)
 
     def _publish(self, version: int) -> None:
-        self.publisher.publish(self.backend.model, version)
+        publish_and_record(self.publisher, self.store, self.backend.model, version)
         if not self.state["published"] or self.state["published"][-1][0] != version:
             self.state["published"].append([version, time.time()])
         self._save()
@@ -87,44 +93,73 @@ class ContinuousTrainer:
         tmp.replace(self.state_path)
 
     def served_version(self, traj: Trajectory) -> int:
+        """The policy version that served ``traj``: the rollout's own (the oldest version its LLM
+        calls were stamped with, from the store's publishes); for rollouts recorded without one, the
+        last publish before the rollout started."""
+        if traj.policy_version is not None:
+            return traj.policy_version
         before = [v for v, t in self.state["published"] if t <= traj.start_time]
-        recorded = [c.policy_version for c in traj.llm_calls if c.policy_version is not None]
-        return max([before[-1] if before else 0, *recorded])
+        return before[-1] if before else 0
 
     def step(self) -> dict[str, Any] | None:
-        """One check of the store; returns the update's metrics, or None when there is not enough."""
+        """One check of the store; returns the update's metrics, or None when there is not enough.
+
+        A check reads what is new: rollouts rewarded since the last check (a position in the
+        store's rewards), plus those still running when their reward came. Trajectories waiting
+        for ``min_new`` are kept, not assembled again."""
         if self.backend is None:
             self.start()
-        seen = set(self.state["used"]) | set(self.state["dropped"])
-        fresh: list[Trajectory] = []
-        dropped = 0
-        # Filter on the rollouts table first: only unseen rollouts are assembled (spans read and
-        # parsed), so a check costs what is new, not the store's whole history.
-        for rollout in self.store.rollouts(mode="prod", status="succeeded"):
-            if rollout.rollout_id in seen:
+        ids, position = self.store.rewarded_since(self.state.get("reward_position", 0), name=self.reward_name)
+        seen = set(self.state["used"]) | set(self.state["dropped"]) | set(self._waiting)
+        pending: list[str] = []
+        dropped = assembled = 0
+        for rid in dict.fromkeys([*self.state.get("pending", []), *ids]):
+            if rid in seen:
                 continue
-            traj = self.store.trajectory(rollout.rollout_id, credit=self.credit, reward_name=self.reward_name)
+            rollout = self.store.get_rollout(rid)
+            if rollout.mode != Mode.PROD:
+                continue
+            if rollout.status == RolloutStatus.RUNNING:
+                pending.append(rid)  # rewarded mid-run: look again when it has ended
+                continue
+            if rollout.status != RolloutStatus.SUCCEEDED:
+                continue
+            traj = self.store.trajectory(rid, credit=self.credit, reward_name=self.reward_name)
+            assembled += 1
             if traj.final_reward is None:
                 continue
             if self.version - self.served_version(traj) > self.max_policy_lag:
-                self.state["dropped"].append(traj.rollout_id)
+                self.state["dropped"].append(rid)
                 dropped += 1
             else:
-                fresh.append(traj)
-        if dropped:
-            self._save()
-        if len(fresh) < self.min_new:
+                self._waiting[rid] = traj
+        self.state.update(reward_position=position, pending=pending, waiting=list(self._waiting))
+        self._save()
+        self.last_check = {"rewarded_new": len(ids), "assembled": assembled, "pending": len(pending),
+                           "waiting": len(self._waiting), "dropped_stale": dropped}
+        if len(self._waiting) < self.min_new:
+            self._dropped_since_update += dropped
             return None
-        samples = []
+        fresh = list(self._waiting.values())
+        samples, stats = [], SampleStats()
         for traj in fresh:
-            samples += [s for s in trajectory_samples(traj, level=self.level, agents=self.agents)[0] if s.reward is not None]
+            found, s = trajectory_samples(traj, level=self.level, agents=self.agents)
+            stats.add(s)
+            samples += [x for x in found if x.reward is not None]
+            stats.skipped_unrewarded += sum(1 for x in found if x.reward is None)
         if not samples:
             return None
         metrics = self.backend.update(samples)
         self.state["used"] += [t.rollout_id for t in fresh]
+        self._waiting.clear()
+        self.state["waiting"] = []
         self._publish(self.version + 1)
-        line = {"version": self.version, "rollouts": len(fresh), "dropped_stale": dropped,
+        line = {"version": self.version, "rollouts": len(fresh),
+                "dropped_stale": dropped + self._dropped_since_update,
+                "prefix_splits": stats.splits, "calls_without_engine_ids": stats.missing_token_ids,
+                "unrewarded_samples": stats.skipped_unrewarded,
                 "train_reward": sum(t.final_reward for t in fresh) / len(fresh), **metrics, "time": time.time()}
+        self._dropped_since_update = 0
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         return line

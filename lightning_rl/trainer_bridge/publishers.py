@@ -3,8 +3,11 @@
 A registry (``register_publisher``); built in: ``vllm_lora``, which saves a PEFT LoRA adapter and
 hot-loads it into a running vLLM OpenAI server under a stable name
 (``POST /v1/load_lora_adapter`` with ``load_inplace``; the server runs with ``--enable-lora`` and
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). Agents call the model by that name. After a publish,
-every new LLM span for that model records the new policy version.
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). Agents call the model by that name.
+
+``publish_and_record`` is what trainers call: the publish, then a record of it in the store
+(served name, version, adapter, time), from which every process that traces into that store
+stamps its LLM calls, so runner processes, Ray actors and gateway agents agree with the trainer.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ class PublishError(LightningRLError, RuntimeError):
 class Publisher(Protocol):
     served_name: str
 
-    def publish(self, model: Any, version: int) -> None: ...
+    def publish(self, model: Any, version: int) -> str | None:
+        """Make ``version`` live; returns where its weights are (an adapter path), if anywhere."""
+        ...
+
+
+def publish_and_record(publisher: Publisher, store: Any, model: Any, version: int) -> None:
+    """Publish ``version`` and record the publish in ``store`` once it is live."""
+    adapter = publisher.publish(model, version)
+    store.record_policy(publisher.served_name, version, adapter=None if adapter is None else str(adapter))
 
 
 PUBLISHERS: dict[str, Callable[..., Publisher]] = {}
@@ -75,11 +86,13 @@ class VLLMLoRAPublisher:
         self.served_name = served_name
         self.timeout = timeout
 
-    def publish(self, model: Any, version: int) -> None:
-        """``model``: a PEFT model (``save_pretrained`` writes the adapter). Records ``version``."""
+    def publish(self, model: Any, version: int) -> str:
+        """``model``: a PEFT model (``save_pretrained`` writes the adapter). Sets ``version`` for this
+        process's tracer; returns the adapter's path."""
         path = (self.adapter_dir / f"v{version:05d}").resolve()
         model.save_pretrained(str(path))
         _post(f"{self.server_url}/v1/load_lora_adapter",
               {"lora_name": self.served_name, "lora_path": str(path), "load_inplace": True},
               self.timeout)
         tracing.set_policy_version(version, model=self.served_name)
+        return str(path)

@@ -27,7 +27,7 @@ from ..store.base import Store
 from ..store.samples import SampleStats, trajectory_samples
 from .failures import INFRA_ERRORS, FailureCounts, failure_kind, with_failure_reward
 from .local import LocalBackend, LocalConfig
-from .publishers import Publisher, make_publisher
+from .publishers import Publisher, make_publisher, publish_and_record
 from .runner import Runner, run_in_processes
 
 BACKENDS = ("local",)
@@ -174,7 +174,8 @@ class Trainer:
         backend = LocalBackend(self.model_dir, self.local, seed=self.seed)
         publisher = self.publisher or make_publisher(
             "vllm_lora", server_url=self.server_url, adapter_dir=self.out_dir / "adapters", served_name=self.served_name)
-        publisher.publish(backend.model, 0)
+        publish_and_record(publisher, self.store, backend.model, 0)
+        version = 0
         started = time.time()
         history: list[dict[str, Any]] = []
         result = TrainResult(history, self.metrics_path, None)
@@ -189,8 +190,9 @@ class Trainer:
             line: dict[str, Any] = {"step": step + 1, **counts, "train_reward": sum(rewards) / max(1, len(rewards))}
             if samples:
                 line.update(backend.update(samples))
-                publisher.publish(backend.model, step + 1)
-            line["policy_version"] = step + 1 if samples else step
+                version += 1
+                publish_and_record(publisher, self.store, backend.model, version)
+            line["policy_version"] = version
             line["time_s"] = round(time.time() - started, 1)
             self._log(history, line)
             steps.update(1)

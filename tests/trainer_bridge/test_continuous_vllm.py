@@ -25,6 +25,14 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
                                            messages=[{"role": "user", "content": question}])
         return r.choices[0].message.content
 
+    assembled = []
+    real_trajectory = traced.trajectory
+
+    def counting_trajectory(rollout_id, **kw):
+        assembled.append(rollout_id)
+        return real_trajectory(rollout_id, **kw)
+
+    traced.trajectory = counting_trajectory  # how much each check reads
     trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
                                 out_dir=tmp_path / "ct", min_new=4, max_policy_lag=0,
                                 local=LocalConfig(adv_estimator="batch_baseline", lr=1e-3))
@@ -35,12 +43,19 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
         assert len(old) == 6
         ids = [r.rollout_id for r in traced.rollouts(mode="prod")]
         assert trainer.step() is None  # traffic without feedback is not trained on
+        assert assembled == [] and trainer.last_check["assembled"] == 0  # nor read
+        assert trainer.step() is None and assembled == []
         for rid, value in zip(ids[:3], (1.0, 0.0, 1.0)):
             traced.add_reward(rid, value, name="reward")  # user feedback, after the rollouts ended
         assert trainer.step() is None  # 3 < min_new
+        assert sorted(assembled) == sorted(ids[:3])
+        assert trainer.step() is None and sorted(assembled) == sorted(ids[:3])  # kept, not read again
         traced.add_reward(ids[3], 0.0)
         update = trainer.step()
         assert update is not None and update["rollouts"] == 4 and trainer.version == 1
+        assert sorted(assembled) == sorted(ids[:4])
+        assert {"prefix_splits", "calls_without_engine_ids", "unrewarded_samples"} <= set(update)
+        assert traced.policies("policy")[-1].version == 1  # the publish is recorded in the store
         assert (tmp_path / "ct" / "adapters" / "v00001").is_dir()
         # feedback for a rollout served by version 0 arrives now: too stale with max_policy_lag=0
         traced.add_reward(ids[4], 1.0)
@@ -50,6 +65,8 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
         for rid in new_ids:
             traced.add_reward(rid, 1.0)
         assert {c.policy_version for rid in new_ids for c in traced.trajectory(rid).llm_calls} == {1}
+        assert {traced.get_rollout(rid).policy_version for rid in new_ids} == {1}
+        assert {t.rollout_id for t in traced.trajectories(mode="prod", min_policy_version=1)} == set(new_ids)
         update = trainer.step()
         assert update["rollouts"] == 4 and update["dropped_stale"] == 1 and trainer.version == 2
         assert set(trainer.state["used"]) == set(ids[:4]) | set(new_ids) and trainer.state["dropped"] == [ids[4]]

@@ -1,0 +1,102 @@
+"""Which policy served a call: every process stamps LLM calls from the publishes recorded in the
+store, and a rollout's version is the oldest of its calls' (real HTTP provider, real SQLite files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import openai
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl.tracer import tracing
+
+from ..adapters.strict_provider import StrictProvider
+from ..conftest import ROOT
+
+
+@pytest.fixture
+def provider():
+    from lightning_rl.adapters import openai as adapter
+
+    with StrictProvider() as p:
+        yield p
+    adapter._takes_token_fields.clear()
+
+
+def _call_versions(store, rollout_id):
+    return [c.policy_version for c in store.trajectory(rollout_id).llm_calls]
+
+
+def test_a_rollout_is_as_old_as_its_oldest_call(traced, provider):
+    client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+    @lrl.trace
+    def agent(q):
+        tracing.set_policy_version(2, model="policy")
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": q}])
+        tracing.set_policy_version(3, model="policy")  # a publish lands mid-rollout
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": q}])
+        return 1.0
+
+    agent("q")
+    lrl.flush()
+    (r,) = traced.rollouts()
+    assert _call_versions(traced, r.rollout_id) == [2, 3]
+    assert r.policy_version == 2
+    assert [t.rollout_id for t in traced.trajectories(min_policy_version=2)] == [r.rollout_id]
+    assert list(traced.trajectories(min_policy_version=3)) == []
+
+
+def test_another_process_stamps_the_versions_the_trainer_published(tmp_path, provider):
+    db = tmp_path / "runs.db"
+    with lrl.open_store(f"sqlite:///{db}") as store:
+        store.record_policy("policy", 0)
+        store.record_policy("policy", 4, adapter="/adapters/v00004")  # the trainer's publish
+    agent = textwrap.dedent(f"""
+        import openai, lightning_rl as lrl
+        client = openai.OpenAI(base_url={provider.base_url!r}, api_key="k")
+
+        @lrl.trace
+        def agent(q):
+            client.chat.completions.create(model="policy", messages=[{{"role": "user", "content": q}}])
+            client.chat.completions.create(model="base", messages=[{{"role": "user", "content": q}}])
+            return 1.0
+
+        agent("q")
+        lrl.flush()
+    """)
+    env = {**os.environ, "LIGHTNING_RL_STORE": f"sqlite:///{db}", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", agent], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with lrl.open_store(f"sqlite:///{db}") as store:
+        (r,) = store.rollouts()
+        # "base" was never published: the process default (0); the rollout is as old as that call
+        assert _call_versions(store, r.rollout_id) == [4, 0]
+        assert r.policy_version == 0
+
+
+def test_a_later_publish_in_the_store_wins_over_an_older_local_version(traced):
+    tracing.set_policy_version(1, model="policy")
+    time.sleep(0.01)
+    traced.record_policy("policy", 2)  # another trainer process published since
+    tracing.settings.policy_refresh, refresh = 0.0, tracing.settings.policy_refresh
+    try:
+        deadline = time.time() + 5
+        while tracing.policy_version("policy") != 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert tracing.policy_version("policy") == 2
+        assert tracing.policy_version() == 2  # one served name known: it is the default
+        tracing.set_policy_version(3, model="policy")  # this process's own publish, newer than the store's
+        assert tracing.policy_version("policy") == 3
+        traced.record_policy("critic", 9)
+        deadline = time.time() + 5
+        while tracing.policy_version("critic") != 9 and time.time() < deadline:
+            time.sleep(0.02)
+        assert tracing.policy_version() == 0  # two names: no guess
+    finally:
+        tracing.settings.policy_refresh = refresh
