@@ -87,3 +87,22 @@ def test_responses_api_calls_are_counted_and_reported_as_unrecorded(traced, prov
     assert lrl.stats()["llm_calls_unrecorded_responses_api"] - before == 1
     (t,) = traced.trajectories()
     assert t.status == "succeeded" and t.llm_calls == []
+
+
+def test_a_trainer_imposes_its_sampling_settings_on_the_agents_requests(traced, provider):
+    """verl computes log-probs at its own temperature: the agent's requests are sent at it."""
+    client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+    @lrl.trace
+    def agent(q):
+        client.chat.completions.create(model="hosted", messages=[{"role": "user", "content": q}], temperature=1.0)
+        return 1.0
+
+    with lrl.rollout_overrides(sampling={"temperature": 0.3, "top_p": 0.9}):
+        agent("q")
+    agent("q2")  # outside the override: the agent's own settings
+    sent = [r for r in provider.requests if "return_token_ids" not in r]
+    assert [(r["temperature"], r.get("top_p")) for r in sent] == [(0.3, 0.9), (1.0, None)]
+    with pytest.raises(lrl.ConfigurationError, match="sampling"):
+        with lrl.rollout_overrides(sampling={"temprature": 0.3}):
+            pass
