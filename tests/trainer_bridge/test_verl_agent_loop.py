@@ -32,7 +32,8 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
 
     assert _agent_loop_registry["lightning_rl"]["_target_"].endswith("LightningRLAgentLoop")
     loop = _loop(vllm_url, tmp_path)
-    out = await loop.run({}, raw_prompt=[{"role": "user", "content": "What is 12+30?"}],
+    verl_sampling = {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    out = await loop.run(verl_sampling, raw_prompt=[{"role": "user", "content": "What is 12+30?"}],
                          extra_info={"task": {"question": "What is 12+30?"}}, uid="group-1")
     rollout_id = out.extra_fields["rollout_id"]
     traj = loop.store.trajectory(rollout_id)
@@ -45,6 +46,11 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
     assert out.response_mask.count(0) == observation > 0  # the user/tool turn is masked out
     assert len(out.response_logprobs) == len(out.response_ids)
     assert out.reward_score == traj.final_reward and out.extra_fields["prefix_splits"] == 0
+    assert out.extra_fields["masked"] == "" and out.extra_fields["failure"] == ""
+    # the agent asked for temperature 0.0; verl's actor recomputes at 0.7, so the request went at 0.7
+    spans = [s for s in loop.store.spans(rollout_id) if s.kind == "CLIENT"]
+    assert [s.attributes["gen_ai.request.temperature"] for s in spans] == [0.7, 0.7]
+    assert [s.attributes["gen_ai.request.top_p"] for s in spans] == [0.95, 0.95]
 
 
 def test_one_store_per_process_however_many_loops_verl_makes(tmp_path):
