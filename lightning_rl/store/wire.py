@@ -283,8 +283,11 @@ def encode_reward(reward: Reward) -> bytes:
 
 def encode_finish(rollout_id: str, status: RolloutStatus | str, end_time: float, error: str | None,
                   policy_version: int | None = None) -> bytes:
-    return orjson.dumps({"op": "finish_rollout", "rollout_id": rollout_id, "status": RolloutStatus(status).value,
-                         "end_time": end_time, "error": error, "policy_version": policy_version})
+    op = {"op": "finish_rollout", "rollout_id": rollout_id, "status": RolloutStatus(status).value,
+          "end_time": end_time, "error": error}
+    if policy_version is not None:  # absent otherwise: a store server from before versions took it
+        op["policy_version"] = policy_version
+    return orjson.dumps(op)
 
 
 def batch_body(ops: list[bytes]) -> bytes:
