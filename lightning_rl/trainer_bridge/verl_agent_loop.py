@@ -102,7 +102,7 @@ class LightningRLAgentLoop(AgentLoopBase):
         # Store reads block: off verl's event loop, which runs every other rollout of the worker.
         await asyncio.to_thread(self.store.flush)
         traj = await asyncio.to_thread(self.store.trajectory, rollout_id, credit=self.credit)
-        return self.output(traj)
+        return await asyncio.to_thread(self.output, traj)  # it reads the store's publishes too
 
     def output(self, traj: Trajectory) -> AgentLoopOutput:
         """The verl row for a finished rollout. Every row has log-probs and fits verl's lengths, so
