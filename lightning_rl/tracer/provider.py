@@ -187,14 +187,18 @@ class Tracing:
         sink = self._sink
         if sink is None or not hasattr(sink, "latest_policies"):
             return self._published
-        with self._lock:
-            thread = self._refreshing
-            if thread is None or not thread.is_alive():
-                thread = self._refreshing = threading.Thread(
-                    target=self._refresh, args=(sink,), name="lightning-rl-policy-versions", daemon=True)
-                thread.start()
-        if self._published_at == float("-inf"):
-            thread.join(0.5)
+        try:  # called as a rollout or an LLM call starts: it must never raise into the agent
+            with self._lock:
+                thread = self._refreshing
+                if thread is None or not thread.is_alive():
+                    thread = self._refreshing = threading.Thread(
+                        target=self._refresh, args=(sink,), name="lightning-rl-policy-versions", daemon=True)
+                    thread.start()
+            if self._published_at == float("-inf"):
+                thread.join(0.5)
+        except Exception as exc:
+            self._published_at = time.monotonic()  # try again after the refresh interval
+            report_failure("reading published policy versions", exc)
         return self._published
 
     def _refresh(self, sink: Any) -> None:
