@@ -110,7 +110,8 @@ class ContinuousTrainer:
         if self.backend is None:
             self.start()
         ids, position = self.store.rewarded_since(self.state.get("reward_position", 0), name=self.reward_name)
-        seen = set(self.state["used"]) | set(self.state["dropped"]) | set(self._waiting)
+        # A waiting rollout rewarded again is read again (its reward changed); nothing else is.
+        seen = set(self.state["used"]) | set(self.state["dropped"])
         pending: list[str] = []
         dropped = assembled = 0
         for rid in dict.fromkeys([*self.state.get("pending", []), *ids]):

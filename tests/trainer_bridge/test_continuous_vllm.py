@@ -50,10 +50,13 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
         assert trainer.step() is None  # 3 < min_new
         assert sorted(assembled) == sorted(ids[:3])
         assert trainer.step() is None and sorted(assembled) == sorted(ids[:3])  # kept, not read again
+        traced.add_reward(ids[1], 1.0)  # the user changed their mind: the latest reward counts
+        assert trainer.step() is None and sorted(assembled) == sorted([*ids[:3], ids[1]])
+        assert trainer._waiting[ids[1]].final_reward == 1.0
         traced.add_reward(ids[3], 0.0)
         update = trainer.step()
         assert update is not None and update["rollouts"] == 4 and trainer.version == 1
-        assert sorted(assembled) == sorted(ids[:4])
+        assert sorted(assembled) == sorted([*ids[:4], ids[1]])
         assert {"prefix_splits", "calls_without_engine_ids", "unrewarded_samples"} <= set(update)
         assert traced.policies("policy")[-1].version == 1  # the publish is recorded in the store
         assert (tmp_path / "ct" / "adapters" / "v00001").is_dir()
