@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
 from collections.abc import Callable
 
 
-def cpu_rounds(blocks: dict[str, Callable[[], int]], rounds: int) -> dict[str, list[float]]:
+def cpu_rounds(blocks: dict[str, Callable[[], int]], rounds: int, collect: bool = False) -> dict[str, list[float]]:
     """Run each block ``rounds`` times, alternating blocks within every round. Each block returns
     how many items it processed; the result is CPU microseconds per item (process_time counts all
-    threads of the process, so background writers are included)."""
+    threads of the process, so background writers are included). ``collect``: a full garbage
+    collection before each block (not timed), so that no block pays for the garbage of another."""
     out: dict[str, list[float]] = {name: [] for name in blocks}
     for _ in range(rounds):
         for name, block in blocks.items():
+            if collect:
+                gc.collect()
             t0 = time.process_time()
             n = block()
             out[name].append((time.process_time() - t0) * 1e6 / n)

@@ -68,9 +68,11 @@ def _client(url: str, index: int, spans: int, prompt: int, response: int, batch_
     """One client process: rollouts of SPANS_PER_ROLLOUT LLM spans each, through HttpStore."""
     from lightning_rl.records import Rollout, RolloutStatus, SpanRow
     from lightning_rl.store.http_store import HttpStore
+    from lightning_rl.store.rows import lift_token_attributes
 
     store = HttpStore(url, spill_dir=tempfile.mkdtemp(prefix=f"bench-spill-{index}-"), batch_ops=batch_ops)
-    payloads = [llm_attributes(prompt, response, seed) for seed in range(16)]
+    # The same arrays as the peer's, as our tracer hands them over: packed, beside the attributes.
+    payloads = [lift_token_attributes(llm_attributes(prompt, response, seed)) for seed in range(16)]
     barrier.wait()
     t0, c0 = time.perf_counter(), time.process_time()
     for r in range(0, spans, SPANS_PER_ROLLOUT):
@@ -81,7 +83,8 @@ def _client(url: str, index: int, spans: int, prompt: int, response: int, batch_
             store.write_span(SpanRow(
                 rollout_id=rollout_id, seq=seq, trace_id=index * 10**9 + r + 1, span_id=(r + seq) * 64 + index + 1,
                 parent_id=None, name="chat tiny-qwen2", kind="CLIENT", start_ns=now, end_ns=now + 1000,
-                status_code="OK", status_message=None, attributes=payloads[seq % 16], events=()))
+                status_code="OK", status_message=None, attributes=payloads[seq % 16][0], events=(),
+                tokens=payloads[seq % 16][1]))
         store.finish_rollout(rollout_id, RolloutStatus.SUCCEEDED, time.time(), None)
     store.flush()
     out.put({"client": index, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,

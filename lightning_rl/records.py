@@ -8,6 +8,7 @@ span on its way from the tracer to a store, shared by both layers).
 from __future__ import annotations
 
 import math
+import struct
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -99,8 +100,20 @@ class Rollout(_Record):
     error: str | None = None
 
 
+class SpanTokens(BaseModel):
+    """The engine's token ids and log-probs of one LLM call, as read back from a store.
+
+    They travel beside the span's OpenTelemetry attributes, never inside them (see :class:`PackedTokens`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] | None = None
+
+
 class Span(_Record):
-    """An OpenTelemetry span as recorded, with its rollout and per-rollout sequence number."""
+    """An OpenTelemetry span as recorded, with its rollout and per-rollout sequence number, and the
+    engine's token arrays of an LLM call (``tokens``; not an OTel attribute)."""
 
     rollout_id: str
     seq: int
@@ -115,6 +128,62 @@ class Span(_Record):
     status_message: str | None = None
     attributes: dict[str, Any] = Field(default_factory=dict)
     events: list[dict[str, Any]] = Field(default_factory=list)
+    tokens: SpanTokens | None = None
+
+
+# -- packed token arrays: the capture hot path ---------------------------------------------------------
+# Token ids are int32 little-endian (every tokenizer's vocabulary fits); log-probs carry a one-byte
+# type code first: b"f" float32 when that keeps every value exactly (vLLM computes them in float32),
+# else b"d" float64. Nothing is converted element by element in Python.
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as int32 LE bytes (``struct`` packs a list in C; ``array`` would convert one by one).
+    OverflowError for an id outside int32, TypeError for one that is not an int."""
+    try:
+        return struct.pack(f"<{len(ids)}i", *ids)
+    except struct.error as exc:
+        raise (TypeError if "integer" in str(exc) and "range" not in str(exc) else OverflowError)(
+            f"token ids must be int32 values: {exc}") from None
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+def pack_logprobs(values: Sequence[float]) -> bytes:
+    """Log-probs as b"f" + float32 LE when that keeps every value exactly, else b"d" + float64 LE."""
+    n = len(values)
+    narrow = struct.pack(f"<{n}f", *values)
+    if struct.unpack(f"<{n}f", narrow) == tuple(values):
+        return b"f" + narrow
+    return b"d" + struct.pack(f"<{n}d", *values)
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    code = data[:1]
+    width = 4 if code == b"f" else 8 if code == b"d" else 0
+    if not width or (len(data) - 1) % width:
+        raise ValueError(f"packed log-probs are b'f'/b'd' then float32/float64 LE values; got {len(data)} bytes "
+                         f"starting {bytes(code)!r}")
+    return list(struct.unpack(f"<{(len(data) - 1) // width}{code.decode()}", data[1:]))
+
+
+@dataclass(slots=True)
+class PackedTokens:
+    """An LLM call's token arrays on their way from the adapter to a store: packed once, copied
+    never. ``logprobs`` is None when the engine sent none."""
+
+    prompt: bytes
+    response: bytes
+    logprobs: bytes | None = None
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], response: Sequence[int], logprobs: Sequence[float] | None) -> "PackedTokens":
+        return cls(pack_ids(prompt), pack_ids(response), pack_logprobs(logprobs) if logprobs is not None else None)
+
+    def unpacked(self) -> SpanTokens:
+        return SpanTokens.model_construct(
+            prompt_ids=unpack_ids(self.prompt), response_ids=unpack_ids(self.response),
+            response_logprobs=unpack_logprobs(self.logprobs) if self.logprobs is not None else None)
 
 
 @dataclass(slots=True)
@@ -134,6 +203,7 @@ class SpanRow:
     status_message: str | None
     attributes: Mapping[str, Any]
     events: Sequence[Any]
+    tokens: PackedTokens | None = None
 
 
 class Reward(_Record):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from typing import Any
 
 import orjson
@@ -33,6 +34,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import semconv
 from ..diagnostics import count, report_failure
+from ..records import PackedTokens
 from ..tracer.context import RolloutState, _llm_hint, _rollout, current_agent_name
 from ..tracer.provider import parent_context, tracing
 
@@ -45,6 +47,7 @@ _NUMERIC_REQUEST_ATTRIBUTES = (
     ("seed", semconv.GEN_AI_REQUEST_SEED), ("max_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
     ("max_completion_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
 )
+_LOGPROB = operator.attrgetter("logprob")
 _NO_INJECT_HOSTS = frozenset({"api.openai.com"})
 # "host:port" -> True (answered with token ids) / False (refused the fields); absent: not known yet
 _takes_token_fields: dict[str, bool] = {}
@@ -212,7 +215,7 @@ class LLMCall:
                             "function": {"name": getattr(fn, "name", ""), "arguments": getattr(fn, "arguments", "")},
                         }
                     if lp is not None and lp.content:
-                        c.logprobs = [t.logprob for t in lp.content]
+                        c.logprobs = list(map(_LOGPROB, lp.content))
                 else:
                     c.content = [getattr(choice, "text", "") or ""]
                     if lp is not None and getattr(lp, "token_logprobs", None):
@@ -268,7 +271,7 @@ class LLMCall:
                             slot["function"]["name"] += fn.name or ""
                             slot["function"]["arguments"] += fn.arguments or ""
                     if lp is not None and lp.content:
-                        c.logprobs.extend(t.logprob for t in lp.content)
+                        c.logprobs.extend(map(_LOGPROB, lp.content))
                 else:
                     text = getattr(choice, "text", None)
                     if text:
@@ -279,17 +282,23 @@ class LLMCall:
             report_failure("reading a streamed LLM chunk", exc)
 
     # -- the end -----------------------------------------------------------------------------------
-    def _choice_attributes(self, c: _Choice) -> dict[str, Any]:
+    def _choice_attributes(self, c: _Choice) -> tuple[dict[str, Any], PackedTokens | None]:
+        """The span attributes of one choice, and its token arrays (packed once; they go to the store
+        beside the span, not through OpenTelemetry's per-element attribute checks)."""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(c.content)}
         if c.tool_calls:
             message["tool_calls"] = [c.tool_calls[i] for i in sorted(c.tool_calls)]
         attrs: dict[str, Any] = {semconv.GEN_AI_OUTPUT_MESSAGES: _dumps([message])}
         if c.finish_reason:
             attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (c.finish_reason,)
+        tokens = None
         if c.has_ids and self.prompt_ids is not None:
             _takes_token_fields[self.server] = True
-            attrs[semconv.PROMPT_TOKEN_IDS] = self.prompt_ids
-            attrs[semconv.RESPONSE_TOKEN_IDS] = c.token_ids
+            try:
+                tokens = PackedTokens.of(self.prompt_ids, c.token_ids, c.logprobs or None)
+            except (OverflowError, TypeError) as exc:
+                report_failure("packing token ids", exc)
+        if tokens is not None:
             attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_ENGINE
         else:
             attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_MISSING
@@ -300,9 +309,7 @@ class LLMCall:
                 "token_ids.source=missing and left out of training samples (serve with vLLM >= 0.10.2, "
                 "which honours return_token_ids)",
             )
-        if c.logprobs:
-            attrs[semconv.RESPONSE_LOGPROBS] = c.logprobs
-        return attrs
+        return attrs, tokens
 
     def finish(self, *, incomplete: bool = False, error: BaseException | None = None) -> None:
         if self.done:
@@ -328,7 +335,10 @@ class LLMCall:
             first = self.choices.get(indices[0], _Choice())
             span = self.span
             if error is None or self.choices:
-                span.set_attributes({**common, **self._choice_attributes(first)})
+                attrs, tokens = self._choice_attributes(first)
+                span.set_attributes({**common, **attrs})
+                if tokens is not None:
+                    tracing.processor.attach_tokens(span, tokens)
             else:
                 span.set_attributes({**common, semconv.TOKEN_IDS_SOURCE: semconv.SOURCE_MISSING})
             if error is not None:
@@ -345,12 +355,15 @@ class LLMCall:
         index = self.state.next_llm_call()
         attrs = dict(self.span.attributes)
         attrs.update(common)
-        attrs.update(self._choice_attributes(choice))
+        choice_attrs, tokens = self._choice_attributes(choice)
+        attrs.update(choice_attrs)
         attrs[semconv.LLM_CALL_INDEX] = index
         attrs[semconv.CHOICE_INDEX] = i
         span = tracing.tracer.start_span(
             self.span.name, kind=SpanKind.CLIENT, attributes=attrs, start_time=self.span.start_time
         )
+        if tokens is not None:
+            tracing.processor.attach_tokens(span, tokens)
         span.end()
         self.state.llm_call_finished(index, self.agent)
 

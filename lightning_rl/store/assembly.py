@@ -37,8 +37,16 @@ def llm_call_from_span(span: Span) -> LLMCall:
     a = span.attributes
     output = _json(a.get(semconv.GEN_AI_OUTPUT_MESSAGES), [])
     finish = a.get(semconv.GEN_AI_RESPONSE_FINISH_REASONS)
-    logprobs = a.get(semconv.RESPONSE_LOGPROBS)
-    return LLMCall(
+    tokens = span.tokens
+    if tokens is not None:
+        prompt, response, logprobs = tokens.prompt_ids, tokens.response_ids, tokens.response_logprobs
+    else:  # arrays a store could not pack when it was migrated stay attributes
+        prompt, response = a.get(semconv.PROMPT_TOKEN_IDS) or [], a.get(semconv.RESPONSE_TOKEN_IDS) or []
+        logprobs = a.get(semconv.RESPONSE_LOGPROBS)
+    source = a.get(semconv.TOKEN_IDS_SOURCE, semconv.SOURCE_MISSING)
+    if source == semconv.SOURCE_ENGINE and tokens is None and not prompt:
+        source = semconv.SOURCE_MISSING  # recorded, but its prompt could not be read back
+    call = LLMCall(
         index=a.get(semconv.LLM_CALL_INDEX, span.seq),
         span_id=span.span_id,
         parent_id=span.parent_id,
@@ -48,10 +56,7 @@ def llm_call_from_span(span: Span) -> LLMCall:
         input_messages=_json(a.get(semconv.GEN_AI_INPUT_MESSAGES), []),
         output_messages=output,
         tool_calls=_tool_calls(output),
-        prompt_token_ids=list(a.get(semconv.PROMPT_TOKEN_IDS) or ()),
-        response_token_ids=list(a.get(semconv.RESPONSE_TOKEN_IDS) or ()),
-        response_logprobs=list(logprobs) if logprobs is not None else None,
-        token_ids_source=TokenIdsSource(a.get(semconv.TOKEN_IDS_SOURCE, semconv.SOURCE_MISSING)),
+        token_ids_source=TokenIdsSource(source),
         policy_version=a.get(semconv.POLICY_VERSION),
         sampling_params=_json(a.get(semconv.SAMPLING_PARAMS), {}),
         finish_reason=(finish[0] if finish else None),
@@ -60,6 +65,10 @@ def llm_call_from_span(span: Span) -> LLMCall:
         start_ns=span.start_ns,
         end_ns=span.end_ns,
     )
+    # The arrays were unpacked from the store's own int32/float columns: set, not validated element by element.
+    call.prompt_token_ids, call.response_token_ids = list(prompt), list(response)
+    call.response_logprobs = list(logprobs) if logprobs is not None else None
+    return call
 
 
 def assemble(

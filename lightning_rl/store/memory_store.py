@@ -7,7 +7,7 @@ import threading
 from ..diagnostics import count
 from ..records import PolicyRecord, QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
 from .base import Store
-from .rows import span_from_values, span_values
+from .rows import legacy_span_values, span_from_values, span_record_values, span_values
 
 
 class InMemoryStore(Store):
@@ -66,16 +66,19 @@ class InMemoryStore(Store):
             if kind == "rollout":
                 self.start_rollout(payload)
             elif kind == "span_values":
-                self.add_spans([span_from_values(payload)])
+                self._add_span(span_from_values(legacy_span_values(payload)))
             elif kind == "reward":
                 self.write_reward(payload)
             elif kind == "finish":
                 self.finish_rollout(*payload)
 
     def add_spans(self, spans: list[Span]) -> None:
+        for span in spans:  # the same row round trip as the SQLite store (token attributes lifted and packed)
+            self._add_span(span_from_values(span_record_values(span)))
+
+    def _add_span(self, span: Span) -> None:
         with self._lock:
-            for span in spans:
-                self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+            self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
 
     # primitives
     def _get_rollout(self, rollout_id: str) -> Rollout | None:

@@ -11,6 +11,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 
+import orjson
 import sqlite_utils
 
 from ..errors import NotAStoreError, SchemaTooNewError
@@ -101,6 +102,35 @@ def _policies(db: sqlite_utils.Database) -> None:
         not_null={"served_name", "version", "time"},
     )
     db["policies"].create_index(["served_name", "publish_id"], index_name="policies_name")
+
+
+@migration(5, "packed, prefix-shared token arrays beside span attributes")
+def _packed_tokens(db: sqlite_utils.Database) -> None:
+    from .rows import lift_token_attributes, token_values
+    from .tokens import PrefixSharer
+
+    spans = db["spans"]
+    for name, kind in (("prompt_base_seq", int), ("prompt_shared", int), ("prompt_ids", bytes),
+                       ("response_ids", bytes), ("response_logprobs", bytes)):
+        if name not in spans.columns_dict:
+            spans.add_column(name, kind)
+    conn = db.conn
+    sharer = PrefixSharer()
+    marker = '"lightning_rl.prompt_token_ids"'
+    rollout_ids = [r[0] for r in conn.execute(
+        "SELECT DISTINCT rollout_id FROM spans WHERE instr(attributes, ?) > 0", (marker,)).fetchall()]
+    for rollout_id in rollout_ids:  # one rollout at a time: memory stays bounded by the largest rollout
+        rows = conn.execute("SELECT rowid, seq, attributes FROM spans WHERE rollout_id = ? AND instr(attributes, ?) > 0 "
+                            "ORDER BY seq", (rollout_id, marker)).fetchall()
+        updates = []
+        for rowid, seq, attributes in rows:
+            rest, packed = lift_token_attributes(orjson.loads(attributes))
+            if packed is not None:
+                shared = sharer.share((rollout_id, seq, *([None] * 11), *token_values(packed)))
+                updates.append((orjson.dumps(rest).decode(), *shared[13:], rowid))
+        conn.executemany("UPDATE spans SET attributes = ?, prompt_base_seq = ?, prompt_shared = ?, prompt_ids = ?, "
+                         "response_ids = ?, response_logprobs = ? WHERE rowid = ?", updates)
+        sharer.forget(rollout_id)
 
 
 def _user_tables(conn: sqlite3.Connection) -> list[str]:

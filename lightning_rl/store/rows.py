@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import orjson
 
+from .. import semconv
 from ..diagnostics import count
-from ..records import QueueEntry, Reward, Rollout, Span, SpanRow
+from ..records import (
+    SCHEMA_VERSION,
+    PackedTokens,
+    QueueEntry,
+    Reward,
+    Rollout,
+    Span,
+    SpanRow,
+    SpanTokens,
+    unpack_ids,
+    unpack_logprobs,
+)
+from .tokens import TOKEN_COLUMNS, PromptResolver
 
-SPAN_COLUMNS = (
+OTEL_COLUMNS = (
     "rollout_id", "seq", "trace_id", "span_id", "parent_id", "name", "kind", "start_ns", "end_ns",
     "status_code", "status_message", "attributes", "events",
 )
+SPAN_COLUMNS = OTEL_COLUMNS + TOKEN_COLUMNS
+_NO_TOKENS = (None, None, None, None, None)
+#: Token arrays as span attributes: how lightning-rl before 0.2 (schema 4) recorded them, and what older
+#: clients of the store server still send. They are lifted out of the attributes into packed columns.
+LEGACY_TOKEN_ATTRIBUTES = (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS)
 ROLLOUT_COLUMNS = (
     "rollout_id", "name", "agent", "task", "group_id", "attempt", "mode", "status", "policy_version",
     "start_time", "end_time", "error",
@@ -34,8 +53,31 @@ def _events(events: Any) -> str | None:
     return _dumps([{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in events])
 
 
+def token_values(tokens: PackedTokens | None) -> tuple:
+    """The token columns of a span row holding whole prompts (the writer's PrefixSharer shortens them)."""
+    if tokens is None:
+        return _NO_TOKENS
+    return (None, 0, tokens.prompt, tokens.response, tokens.logprobs)
+
+
+def lift_token_attributes(attributes: dict[str, Any]) -> tuple[dict[str, Any], PackedTokens | None]:
+    """Attributes without the legacy token-array keys, and those arrays packed (None if absent)."""
+    if not any(k in attributes for k in LEGACY_TOKEN_ATTRIBUTES):
+        return attributes, None
+    rest = {k: v for k, v in attributes.items() if k not in LEGACY_TOKEN_ATTRIBUTES}
+    prompt, response = attributes.get(semconv.PROMPT_TOKEN_IDS), attributes.get(semconv.RESPONSE_TOKEN_IDS)
+    if prompt is None or response is None:  # half a pair cannot make a sample: kept as it was
+        return attributes, None
+    try:
+        return rest, PackedTokens.of(prompt, response, attributes.get(semconv.RESPONSE_LOGPROBS))
+    except (OverflowError, TypeError, ValueError):  # not int32 ids / not numbers: kept as they were
+        count("token_attributes_not_packed")
+        return attributes, None
+
+
 def span_values(row: SpanRow) -> tuple:
-    """A finished span as the tuple stored in the ``spans`` table (JSON for attributes and events)."""
+    """A finished span as the tuple stored in the ``spans`` table (JSON for attributes and events,
+    packed bytes for token arrays)."""
     attrs = row.attributes
     # BoundedAttributes keeps a plain dict in ``_dict``; serializing it directly skips a copy per span.
     plain = getattr(attrs, "_dict", None)
@@ -53,22 +95,76 @@ def span_values(row: SpanRow) -> tuple:
         row.status_message,
         _dumps(plain if plain is not None else dict(attrs or {})),
         _events(row.events),
+        *token_values(row.tokens),
     )
 
 
 def span_record_values(span: Span) -> tuple:
+    """A :class:`Span` record (ingested, or a validated wire span) as a ``spans`` row: its tokens as
+    lists (``SpanTokens``) or already packed (the wire's), or token arrays given as legacy attributes."""
+    attributes, packed = lift_token_attributes(span.attributes)
+    t = span.tokens
+    if t is None:
+        pass
+    elif "prompt_ids" in type(t).model_fields:  # lists (SpanTokens, or the wire's list form)
+        packed = PackedTokens.of(t.prompt_ids, t.response_ids, t.response_logprobs)
+    else:  # the wire's packed form, checked by wire.check_ops
+        packed = PackedTokens(t.prompt, t.response, t.logprobs)
     return (
         span.rollout_id, span.seq, span.trace_id, span.span_id, span.parent_id, span.name, span.kind,
-        span.start_ns, span.end_ns, span.status_code, span.status_message, _dumps(span.attributes),
-        _dumps(span.events) if span.events else None,
+        span.start_ns, span.end_ns, span.status_code, span.status_message, _dumps(attributes),
+        _dumps(span.events) if span.events else None, *token_values(packed),
     )
 
 
-def span_from_values(values: tuple | list) -> Span:
-    data = dict(zip(SPAN_COLUMNS, values))
-    data["attributes"] = orjson.loads(data["attributes"])
-    data["events"] = orjson.loads(data["events"]) if data["events"] else []
-    return Span.model_validate(data)
+def legacy_span_values(values: tuple | list) -> tuple:
+    """A 13-column row of schema 4 (a spill file written before packed tokens) as a row of today's."""
+    if len(values) == len(SPAN_COLUMNS):
+        return tuple(values)
+    attributes, packed = lift_token_attributes(orjson.loads(values[11]))
+    return (*values[:11], _dumps(attributes) if packed is not None else values[11], values[12], *token_values(packed))
+
+
+_BLOBS = slice(15, 18)
+
+
+def spill_row(values: tuple | list) -> list:
+    """A span row for a JSON line: the packed token columns as base64 text."""
+    row = list(values)
+    row[_BLOBS] = [None if b is None else base64.b64encode(b).decode() for b in row[_BLOBS]]
+    return row
+
+
+def unspill_row(values: list) -> tuple:
+    row = list(values)
+    row[_BLOBS] = [None if b is None else base64.b64decode(b) for b in row[_BLOBS]]
+    return tuple(row)
+
+
+def span_from_values(values: tuple | list, resolver: PromptResolver | None = None) -> Span:
+    """A stored row as a :class:`Span`. Rows are this store's own (its schema is migrated on open):
+    they are built, not validated again. Rows of one rollout go through one ``resolver``, in seq order."""
+    (rollout_id, seq, trace_id, span_id, parent_id, name, kind, start_ns, end_ns, status_code, status_message,
+     attributes, events, base, shared, prompt, response, logprobs) = values
+    tokens = None
+    if prompt is not None:
+        if base is not None or resolver is not None:
+            prompt = (resolver or PromptResolver()).resolve(seq, base, shared or 0, prompt, response)
+        if prompt is not None:
+            tokens = SpanTokens.model_construct(
+                prompt_ids=unpack_ids(prompt), response_ids=unpack_ids(response),
+                response_logprobs=unpack_logprobs(logprobs) if logprobs is not None else None)
+    return Span.model_construct(
+        schema_version=SCHEMA_VERSION, rollout_id=rollout_id, seq=seq, trace_id=trace_id, span_id=span_id, parent_id=parent_id,
+        name=name, kind=kind, start_ns=start_ns, end_ns=end_ns, status_code=status_code,
+        status_message=status_message, attributes=orjson.loads(attributes),
+        events=orjson.loads(events) if events else [], tokens=tokens)
+
+
+def spans_from_rows(rows: list[tuple]) -> list[Span]:
+    """One rollout's rows (in seq order) as spans, with prefix-shared prompts made whole."""
+    resolver = PromptResolver()
+    return [span_from_values(r, resolver) for r in rows]
 
 
 def rollout_values(r: Rollout) -> tuple:

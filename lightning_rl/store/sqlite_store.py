@@ -34,24 +34,28 @@ from .rows import (
     REWARD_COLUMNS,
     ROLLOUT_COLUMNS,
     SPAN_COLUMNS,
+    legacy_span_values,
     queue_from_values,
     queue_values,
     reward_from_values,
     reward_values,
     rollout_from_values,
     rollout_values,
-    span_from_values,
     span_record_values,
     span_values,
+    spans_from_rows,
+    spill_row,
+    unspill_row,
 )
 from .spill import SpillFiles
+from .tokens import PrefixSharer
 from .writer import BackgroundWriter
 
 _INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
 _INSERT_ROLLOUT = f"INSERT OR IGNORE INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) VALUES ({', '.join('?' * len(ROLLOUT_COLUMNS))})"
 _INSERT_REWARD = f"INSERT OR IGNORE INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
 
-# Rows per multi-row INSERT: 13 columns x 16 rows stays far below SQLite's bound-parameter limit.
+# Rows per multi-row INSERT: 18 columns x 16 rows stays far below SQLite's bound-parameter limit.
 _CHUNK = 16
 _INSERT_SPANS_CHUNK = _INSERT_SPAN.split(" VALUES ")[0] + " VALUES " + ", ".join(
     ["(" + ", ".join("?" * len(SPAN_COLUMNS)) + ")"] * _CHUNK
@@ -154,6 +158,7 @@ class SQLiteStore(Store):
         self._rlock = threading.Lock()
         self._qconn = connect(self.path, self._busy_timeout, self.synchronous)
         self._qlock = threading.Lock()
+        self._sharer = PrefixSharer()  # the writer thread's: prompts stored as prefix + tail
         self._spills = SpillFiles(Path(self.path + ".spill"))
         self._spills.adopt_orphans(own=_claim_spill_folder(self._spills.folder))
         self._writer = BackgroundWriter(
@@ -241,11 +246,12 @@ class SQLiteStore(Store):
     # -- the writer thread ------------------------------------------------------------------------
     def _apply(self, items: list[tuple[str, Any]]) -> None:
         rollouts, spans, rewards, finishes, expires = [], [], [], [], []
+        share = self._sharer.share
         for kind, payload in items:
             if kind == "span":
-                spans.append(span_values(payload))
+                spans.append(share(span_values(payload)))
             elif kind == "span_values":
-                spans.append(payload)
+                spans.append(share(legacy_span_values(payload)))
             elif kind == "rollout":
                 rollouts.append(rollout_values(payload) if isinstance(payload, Rollout) else tuple(payload))
             elif kind == "reward":
@@ -282,12 +288,16 @@ class SQLiteStore(Store):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        for rollout_id, *_ in finishes:
+            self._sharer.forget(rollout_id)
 
     def _spill(self, items: list[tuple[str, Any]]) -> None:
         lines = []
         for kind, payload in items:
             if kind == "span":
                 kind, payload = "span_values", span_values(payload)
+            if kind == "span_values":  # packed token columns as base64 text in the JSON line
+                kind, payload = "span_packed", spill_row(payload)
             elif kind == "rollout" and isinstance(payload, Rollout):
                 payload = rollout_values(payload)
             elif kind == "reward" and isinstance(payload, Reward):
@@ -301,7 +311,8 @@ class SQLiteStore(Store):
         """Write the spill files back, oldest first (writer thread). True when none is left."""
         while self._spills.files:
             path = self._spills.files[0]
-            items = [(d["kind"], d["payload"]) for d in map(orjson.loads, SpillFiles.read(path))]
+            items = [(d["kind"], d["payload"]) if d["kind"] != "span_packed" else ("span_values", unspill_row(d["payload"]))
+                     for d in map(orjson.loads, SpillFiles.read(path))]
             self._apply(items)
             path.unlink()
             self._spills.files.pop(0)
@@ -355,7 +366,7 @@ class SQLiteStore(Store):
 
     def _get_spans(self, rollout_id: str) -> list[Span]:
         rows = self._read(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE rollout_id = ? ORDER BY seq", (rollout_id,))
-        return [span_from_values(r) for r in rows]
+        return spans_from_rows(rows)
 
     def _get_rewards(self, rollout_id: str) -> list[Reward]:
         rows = self._read(f"SELECT {', '.join(REWARD_COLUMNS)} FROM rewards WHERE rollout_id = ? ORDER BY reward_id", (rollout_id,))

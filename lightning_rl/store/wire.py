@@ -14,8 +14,10 @@ say (hex ids, token ids, finite log-probs, ...). Every problem is reported with 
 
 from __future__ import annotations
 
+import base64
 import math
 import re
+import struct
 from typing import Annotated, Any, Literal, Union
 
 import orjson
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .. import semconv as sc
 from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span, SpanRow
-from .rows import SPAN_COLUMNS, span_record_values, span_values
+from .rows import OTEL_COLUMNS, span_record_values, span_values
 
 API_PREFIX = "/v1"
 #: Ops per request the client sends, and the most the server accepts.
@@ -62,10 +64,31 @@ def _span_attributes() -> type:
 SpanAttributes = _span_attributes()
 
 
+class WireTokens(_Wire):
+    """An LLM call's token arrays as sent to the server: base64 of the packed bytes (int32 LE token
+    ids; log-probs: a type byte, ``f`` or ``d``, then float32 or float64 LE values), decoded in
+    pydantic-core, never element by element."""
+
+    model_config = ConfigDict(extra="forbid", val_json_bytes="base64")
+    prompt: bytes
+    response: bytes
+    logprobs: bytes | None = None
+
+
+class WireListTokens(_Wire):
+    """Token arrays as JSON lists: the shape spans are read in, also taken for writing (slower)."""
+
+    prompt_ids: list[_TokenId]
+    response_ids: list[_TokenId]
+    response_logprobs: list[_LogProb] | None = None
+
+
 class WireSpan(Span):
-    """A span as sent to the server: :class:`Span` with typed token attributes."""
+    """A span as sent to the server: :class:`Span` with ``tokens`` packed (what HttpStore sends) or
+    as lists. Token arrays given as attributes (clients before 0.2) are still typed and taken."""
 
     attributes: SpanAttributes = Field(default_factory=dict)  # type: ignore[valid-type]
+    tokens: WireTokens | WireListTokens | None = None  # type: ignore[assignment]
 
 
 class StartRolloutOp(_Wire):
@@ -213,6 +236,47 @@ def _check_span(span: Span, path: str, errors: list[str]) -> None:
     if logprobs is not None and response is not None and len(logprobs) != len(response):
         errors.append(f"{path}.attributes[{sc.RESPONSE_LOGPROBS!r}]: {len(logprobs)} log-probs for "
                       f"{len(response)} response tokens")
+    tokens = span.tokens
+    if isinstance(tokens, WireTokens):
+        _check_tokens(tokens, path, errors)
+    elif tokens is not None and tokens.response_logprobs is not None \
+            and len(tokens.response_logprobs) != len(tokens.response_ids):
+        errors.append(f"{path}.tokens.response_logprobs: {len(tokens.response_logprobs)} log-probs for "
+                      f"{len(tokens.response_ids)} response tokens")
+
+
+_LOGPROB_WIDTH = {b"f": 4, b"d": 8}
+_NON_NEGATIVE = bytes(range(128))  # the high byte of a non-negative int32 (LE) is one of these
+
+
+def _check_ids(data: bytes, path: str, field: str, errors: list[str]) -> int:
+    if len(data) % 4:
+        errors.append(f"{path}.tokens.{field}: packed token ids are 4 bytes each (int32 LE), got {len(data)} bytes")
+        return -1
+    if data[3::4].translate(None, _NON_NEGATIVE):
+        errors.append(f"{path}.tokens.{field}: token ids must be >= 0 (int32 LE); a negative one was sent")
+    return len(data) // 4
+
+
+def _check_tokens(tokens: WireTokens, path: str, errors: list[str]) -> None:
+    """``path`` is the span's; messages name the field (error strings are built only on errors)."""
+    _check_ids(tokens.prompt, path, "prompt", errors)
+    n = _check_ids(tokens.response, path, "response", errors)
+    data = tokens.logprobs
+    if data is None:
+        return
+    code = data[:1]
+    width = _LOGPROB_WIDTH.get(code)
+    if width is None or (len(data) - 1) % width:
+        errors.append(f"{path}.tokens.logprobs: packed log-probs are a type byte (f or d) then float32/float64 LE values, "
+                      f"got {len(data)} bytes starting {bytes(code)!r}")
+        return
+    values = struct.unpack(f"<{(len(data) - 1) // width}{code.decode()}", data[1:])
+    if n >= 0 and len(values) != n:
+        errors.append(f"{path}.tokens.logprobs: {len(values)} log-probs for {n} response tokens")
+    total = math.fsum(values) if values else 0.0  # inf or nan iff some value is
+    if not math.isfinite(total) or (values and max(values) > 0):
+        errors.append(f"{path}.tokens.logprobs: log-probs must be finite and <= 0")
 
 
 def check_ops(ops: list[Any]) -> tuple[list[str], set[str], set[str]]:
@@ -264,12 +328,21 @@ def to_store_items(ops: list[Any]) -> list[tuple[str, Any]]:
 
 
 # -- encoding (client side): one JSON line per op, also the spill file's format ----------------------
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def encode_span(row: SpanRow) -> bytes:
     """The span as the ``spans`` row already encodes it; its attributes and events JSON is embedded
-    as is (``orjson.Fragment``), not parsed and dumped again."""
-    span = dict(zip(SPAN_COLUMNS, span_values(row)))
+    as is (``orjson.Fragment``), not parsed and dumped again; token arrays go as base64 of their bytes."""
+    values = span_values(row)
+    span = dict(zip(OTEL_COLUMNS, values))
     span["attributes"] = orjson.Fragment(span["attributes"])
     span["events"] = orjson.Fragment(span["events"]) if span["events"] else []
+    tokens = row.tokens
+    if tokens is not None:
+        span["tokens"] = {"prompt": _b64(tokens.prompt), "response": _b64(tokens.response),
+                          "logprobs": _b64(tokens.logprobs) if tokens.logprobs is not None else None}
     return orjson.dumps({"op": "span", "span": span})
 
 

@@ -20,12 +20,14 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from .. import semconv
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
-from ..records import SpanRow
+from ..records import PackedTokens, SpanRow
 from ..settings import Settings
 from .context import _our_span, _rollout
 from .sink import SpanSink
 
 INSTRUMENTATION_NAME = "lightning_rl"
+_KIND_NAMES = {kind: kind.name for kind in otel_trace.SpanKind}  # Enum.name is a slow descriptor
+_STATUS_NAMES = {code: code.name for code in otel_trace.StatusCode}
 
 
 class RolloutSpanProcessor(SpanProcessor):
@@ -38,6 +40,14 @@ class RolloutSpanProcessor(SpanProcessor):
     def __init__(self, get_sink: Callable[[], SpanSink]) -> None:
         self._get_sink = get_sink
         self._pending: dict[int, tuple] = {}
+        self._tokens: dict[int, PackedTokens] = {}
+
+    def attach_tokens(self, span: Any, tokens: PackedTokens) -> None:
+        """Send ``tokens`` with ``span`` when it ends: beside its OTel attributes, never through them
+        (OTel would check every element of an array attribute, one by one)."""
+        span_id = span.get_span_context().span_id
+        if span_id in self._pending:
+            self._tokens[span_id] = tokens
 
     def on_start(self, span, parent_context=None) -> None:  # noqa: ANN001 (OTel signature)
         state = _rollout.get()
@@ -47,12 +57,14 @@ class RolloutSpanProcessor(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         ctx = span.context
         entry = self._pending.pop(ctx.span_id, None)
+        tokens = self._tokens.pop(ctx.span_id, None) if self._tokens else None
         if entry is None:
             count("spans_outside_rollout")
             return
         try:
             parent = span.parent
             status = span.status
+            events = span.events
             row = SpanRow(
                 entry[0],
                 entry[1],
@@ -60,13 +72,14 @@ class RolloutSpanProcessor(SpanProcessor):
                 ctx.span_id,
                 parent.span_id if parent is not None else None,
                 span.name,
-                span.kind.name,
+                _KIND_NAMES[span.kind],
                 span.start_time,
                 span.end_time,
-                status.status_code.name,
+                _STATUS_NAMES[status.status_code],
                 status.description,
                 span.attributes,
-                span.events,
+                events if events else (),
+                tokens,
             )
             self._get_sink().write_span(row)
         except Exception as exc:  # never into the agent

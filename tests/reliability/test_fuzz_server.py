@@ -9,10 +9,12 @@ of the OpenAPI document (then only "no 5xx, server up" can be asserted: some of 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import socket
 import sqlite3
+import struct
 import urllib.parse
 
 import httpx
@@ -103,17 +105,41 @@ bad_token_id = st.one_of(st.integers(max_value=-1), st.integers(min_value=2**31,
 def broken_batches(draw) -> tuple[str, bytes]:
     batch = _valid_batch()
     span = batch["ops"][1]["span"]
-    kind = draw(st.sampled_from(["int_field", "str_field", "token_ids", "reward", "unknown_rollout",
-                                 "unknown_field", "missing_field", "bad_op", "finish_status", "logprobs"]))
+    kind = draw(st.sampled_from(["int_field", "str_field", "token_ids", "legacy_token_ids", "reward", "unknown_rollout",
+                                 "unknown_field", "missing_field", "bad_op", "finish_status", "logprobs", "packed"]))
     if kind == "int_field":
         span[draw(st.sampled_from(["seq", "start_ns", "end_ns"]))] = draw(not_int)
     elif kind == "str_field":
         span[draw(st.sampled_from(["rollout_id", "trace_id", "span_id", "name"]))] = draw(not_str)
     elif kind == "token_ids":
+        ids = draw(st.lists(st.integers(0, 1000), max_size=5))
+        ids.insert(draw(st.integers(0, len(ids))), draw(bad_token_id))
+        span["tokens"][draw(st.sampled_from(["prompt_ids", "response_ids"]))] = ids
+    elif kind == "legacy_token_ids":  # token arrays as attributes, as clients before 0.2 send them
         key = draw(st.sampled_from(["lightning_rl.prompt_token_ids", "lightning_rl.response_token_ids"]))
         ids = draw(st.lists(st.integers(0, 1000), max_size=5))
         ids.insert(draw(st.integers(0, len(ids))), draw(bad_token_id))
+        span["tokens"] = None
         span["attributes"][key] = ids
+    elif kind == "packed":  # the packed form HttpStore sends, broken: bad lengths, negative ids, bad log-probs
+        prompt, response, logprobs = struct.pack("<3i", 1, 2, 3), struct.pack("<2i", 4, 5), b"f" + struct.pack("<2f", -0.1, -0.2)
+        broken = draw(st.sampled_from(["prompt", "response", "logprobs"]))
+        value = draw(st.sampled_from([
+            "short", "negative", "bad_type", "count", "positive", "nan", "not_base64"]))
+        if value == "short":
+            data = (prompt if broken != "logprobs" else logprobs)[:-1]
+        elif value == "negative" and broken != "logprobs":
+            data = struct.pack("<2i", 4, -draw(st.integers(1, 2**31)))
+        elif value in ("positive", "nan") and broken == "logprobs":
+            data = b"f" + struct.pack("<2f", -0.1, 0.5 if value == "positive" else float("nan"))
+        elif value == "bad_type" and broken == "logprobs":
+            data = b"x" + logprobs[1:]
+        else:  # a count that does not match the response tokens
+            broken, data = "logprobs", b"d" + struct.pack("<3d", -0.1, -0.2, -0.3)
+        packed = {"prompt": prompt, "response": response, "logprobs": logprobs, broken: data}
+        span["tokens"] = {k: base64.b64encode(v).decode() for k, v in packed.items()}
+        if value == "not_base64":
+            span["tokens"][broken] = "%%%not base64"
     elif kind == "reward":
         batch["ops"][3]["reward"]["value"] = draw(st.sampled_from(["NaN", "Infinity", "-Infinity"]) | not_int.filter(
             lambda v: not isinstance(v, float)))
@@ -136,7 +162,7 @@ def broken_batches(draw) -> tuple[str, bytes]:
     elif kind == "finish_status":
         batch["ops"][4]["status"] = draw(st.sampled_from(["running", "queued", "done", ""]) | not_str)
     else:
-        span["attributes"]["lightning_rl.response_logprobs"] = draw(
+        span["tokens"]["response_logprobs"] = draw(
             st.lists(st.floats(min_value=0.001, max_value=5), min_size=2, max_size=2)
             | st.lists(st.floats(max_value=0, allow_nan=False, allow_infinity=False), min_size=3, max_size=6))
     body = json.dumps(batch, allow_nan=True).replace('"NaN"', "NaN").replace('"Infinity"', "Infinity") \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from lightning_rl import semconv
-from lightning_rl.records import Rollout, Span
+from lightning_rl.records import Rollout, Span, SpanTokens
 
 
 def llm_span(rollout_id: str, seq: int, index: int, prompt: list[int], response: list[int], *,
@@ -20,15 +20,15 @@ def llm_span(rollout_id: str, seq: int, index: int, prompt: list[int], response:
         semconv.GEN_AI_INPUT_MESSAGES: orjson.dumps([{"role": "user", "content": f"turn {index}"}]).decode(),
         semconv.GEN_AI_OUTPUT_MESSAGES: orjson.dumps([{"role": "assistant", "content": f"answer {index}"}]).decode(),
     }
+    tokens = None
     if source == "engine":
-        attrs[semconv.PROMPT_TOKEN_IDS] = prompt
-        attrs[semconv.RESPONSE_TOKEN_IDS] = response
-        attrs[semconv.RESPONSE_LOGPROBS] = logprobs if logprobs is not None else [-0.5] * len(response)
+        tokens = SpanTokens(prompt_ids=prompt, response_ids=response,
+                            response_logprobs=logprobs if logprobs is not None else [-0.5] * len(response))
     if agent:
         attrs[semconv.GEN_AI_AGENT_NAME] = agent
     return Span(rollout_id=rollout_id, seq=seq, trace_id="%032x" % 1, span_id="%016x" % (seq + 1),
                 parent_id="%016x" % 1 if seq else None, name="chat tiny", kind="CLIENT",
-                start_ns=1000 - seq, end_ns=2000 - seq, attributes=attrs)  # clocks deliberately backwards
+                start_ns=1000 - seq, end_ns=2000 - seq, attributes=attrs, tokens=tokens)  # clocks deliberately backwards
 
 
 def rollout(rollout_id: str, **kw) -> Rollout:

@@ -4,10 +4,12 @@ Every test talks to a real uvicorn server on a loopback port over a real SQLite 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -30,6 +32,13 @@ def _span_op(rollout_id: str, seq: int, **attrs) -> dict:
     span = llm_span(rollout_id, seq, seq, [1, 2, 3], [4, 5]).model_dump(mode="json")
     span["attributes"].update(attrs)
     return {"op": "span", "span": span}
+
+
+def _packed(prompt, response, logprobs) -> dict:
+    """Token arrays in the wire's packed form (what HttpStore sends), built without our encoder."""
+    lp = None if logprobs is None else base64.b64encode(b"d" + struct.pack(f"<{len(logprobs)}d", *logprobs)).decode()
+    return {"prompt": base64.b64encode(struct.pack(f"<{len(prompt)}i", *prompt)).decode(),
+            "response": base64.b64encode(struct.pack(f"<{len(response)}i", *response)).decode(), "logprobs": lp}
 
 
 def _start_op(rollout_id: str) -> dict:
@@ -88,9 +97,21 @@ def test_a_batch_is_written_once_however_often_it_is_sent(server, http):
 
 @pytest.mark.parametrize("mutate, status, message", [
     (lambda ops: ops[1]["span"].update(seq="1"), 422, "ops[1] (span op): span.seq"),
-    (lambda ops: ops[1]["span"]["attributes"].update({"lightning_rl.prompt_token_ids": [1, -5]}), 422,
+    (lambda ops: ops[1]["span"]["tokens"].update(prompt_ids=[1, -5]), 422, "greater than or equal to 0"),
+    (lambda ops: ops[1]["span"]["tokens"].update(response_logprobs=[-0.1]), 422, "1 log-probs for 2 response tokens"),
+    (lambda ops: ops[1]["span"].update(tokens=_packed([1, -5], [4, 5], [-0.1, -0.2])), 422, "must be >= 0"),
+    (lambda ops: ops[1]["span"].update(tokens=_packed([1, 2], [4, 5], [-0.1])), 422, "1 log-probs for 2 response"),
+    (lambda ops: ops[1]["span"].update(tokens={**_packed([1], [4], [-0.1]), "prompt": "AQID"}), 422,
+     "4 bytes each"),
+    (lambda ops: ops[1]["span"].update(tokens={**_packed([1], [4], None), "logprobs": "eAAAAAA="}), 422,
+     "type byte"),
+    (lambda ops: ops[1]["span"].update(tokens=_packed([1], [4, 5], [0.5, -0.1])), 422, "finite and <= 0"),
+    (lambda ops: ops[1]["span"].update(tokens=_packed([1], [4], [float("nan")])), 422, "finite and <= 0"),
+    # token arrays as attributes: how clients before 0.2 sent them
+    (lambda ops: ops[1]["span"].update(tokens=None, attributes={"lightning_rl.prompt_token_ids": [1, -5]}), 422,
      "greater than or equal to 0"),
-    (lambda ops: ops[1]["span"]["attributes"].update({"lightning_rl.response_logprobs": [-0.1]}), 422,
+    (lambda ops: ops[1]["span"].update(tokens=None, attributes={"lightning_rl.response_token_ids": [4, 5],
+                                                                 "lightning_rl.response_logprobs": [-0.1]}), 422,
      "1 log-probs for 2 response tokens"),
     (lambda ops: ops[1]["span"].update(trace_id="xyz"), 422, "32 lowercase hex digits"),
     (lambda ops: ops.append({"op": "reward", "reward": {"rollout_id": "r1", "value": "NaN"}}), 422, "reward"),

@@ -249,5 +249,5 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
         again = store.add_reward("r1", 2.0, uid=uids[0])  # an existing uid: not stored twice
         assert again.uid == uids[0] and len(store.rewards("r1")) == 2
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 5
     conn.close()

@@ -10,10 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_rl import semconv
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
-from lightning_rl.store import SQLiteStore
 
 from ..conftest import ensure_tiny_model
 from ..store.helpers import llm_span, rollout
@@ -53,7 +51,7 @@ def _store_tries(store):
     add("good", [llm_span("good", 0, 0, [1, 2, 3], [4, 5], logprobs=[-0.1, -0.2])])
     add("placeholder", [], status=RolloutStatus.FAILED, error="ValueError: no tool call", reward=None)
     no_logprobs = llm_span("no_logprobs", 0, 0, [1, 2, 3], [4, 5, 6])
-    del no_logprobs.attributes[semconv.RESPONSE_LOGPROBS]
+    no_logprobs.tokens.response_logprobs = None
     add("no_logprobs", [no_logprobs])
     add("long", [llm_span("long", 0, 0, list(range(1, 21)), [4, 5])])  # 20 prompt tokens > 8
     add("model_failure", [llm_span("model_failure", 0, 0, [1, 2, 3], [7, 8])], status=RolloutStatus.FAILED,

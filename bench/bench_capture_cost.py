@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""What tracing adds to one LLM call, through the public API, against a bare empty OpenTelemetry span.
+
+An ``openai.OpenAI`` client talks to an in-process transport (``httpx.MockTransport``) that answers
+every request with the same bytes a vLLM server sends: ``prompt_token_ids``, ``token_ids`` and
+log-probs for ``P`` prompt and ``R`` response tokens. Blocks alternate in every round:
+
+* ``untraced``: N calls outside any rollout (the client's own cost: HTTP, JSON, pydantic);
+* ``traced``: the same N calls inside one ``@trace`` rollout into a durable SQLite store; the
+  decorator's flush at the end puts every row on disk before the block's CPU time stops;
+* ``bare``: N empty spans started and ended on an OpenTelemetry SDK ``TracerProvider``.
+
+"Tracing adds" is (traced - untraced) / N, CPU time of the whole process (the store's writer
+thread included). Each call's prompt differs from the previous one (8 payloads in turn), so prefix
+sharing finds nothing and every call pays for its full prompt: this is the worst case.
+
+Run: .venv/bin/python bench/bench_capture_cost.py [--shapes 40+4,512+128,4000+1000,32000+1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+from opentelemetry.sdk.trace import TracerProvider
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_rounds, summary  # noqa: E402
+
+import lightning_rl as lrl  # noqa: E402
+
+PAYLOADS = 8
+
+
+def vllm_body(prompt: int, response: int, seed: int) -> bytes:
+    """A chat completion exactly as vLLM sends it with return_token_ids and logprobs."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(151_000) for _ in range(response)]
+    logprobs = [-rng.random() * 4 for _ in ids]
+    return orjson.dumps({
+        "id": f"chatcmpl-{seed}", "object": "chat.completion", "created": 0, "model": "tiny",
+        "prompt_token_ids": [rng.randrange(151_000) for _ in range(prompt)],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": response, "total_tokens": prompt + response},
+        "choices": [{
+            "index": 0, "finish_reason": "length", "token_ids": ids,
+            "message": {"role": "assistant", "content": "x" * response},
+            "logprobs": {"content": [{"token": "x", "logprob": lp, "bytes": [120], "top_logprobs": []}
+                                     for lp in logprobs]},
+        }],
+    })
+
+
+def measure(prompt: int, response: int, calls: int, rounds: int, tmp: Path) -> dict:
+    bodies = [vllm_body(prompt, response, seed) for seed in range(PAYLOADS)]
+    turn = [0]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        turn[0] += 1
+        return httpx.Response(200, content=bodies[turn[0] % PAYLOADS], headers={"content-type": "application/json"})
+
+    client = openai.OpenAI(base_url="http://vllm.local:8000/v1", api_key="EMPTY", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    messages = [{"role": "system", "content": "You are a helpful agent."}, {"role": "user", "content": "What is 12+30?"}]
+    store = lrl.configure(store=f"sqlite:///{tmp / f'capture-{prompt}-{response}.db'}")
+
+    def call() -> None:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=response, temperature=1.0)
+
+    def untraced() -> int:
+        for _ in range(calls):
+            call()
+        return calls
+
+    @lrl.trace
+    def agent() -> None:
+        for _ in range(calls):
+            call()
+
+    def traced() -> int:
+        agent()
+        return calls
+
+    tracer = TracerProvider().get_tracer("bench")
+
+    def bare() -> int:
+        for _ in range(calls * 4):  # cheap: more of them for a steadier figure
+            tracer.start_span("bare").end()
+        return calls * 4
+
+    agent()  # warm-up (and the schema, the writer thread, the adapter's server table)
+    results = cpu_rounds({"untraced": untraced, "traced": traced, "bare": bare}, rounds, collect=True)
+    adds = [t - u for t, u in zip(results["traced"], results["untraced"])]
+    ratios = [a / b for a, b in zip(adds, results["bare"])]
+    rows = sum(len(store.spans(r.rollout_id)) for r in store.rollouts())
+    expected = (rounds + 1) * (calls + 1)
+    trajectory = store.trajectory(store.rollouts()[-1].rollout_id)
+    last = trajectory.llm_calls[-1]
+    assert len(last.prompt_token_ids) == prompt and len(last.response_token_ids) == response, "tokens not recorded"
+    assert last.response_logprobs is not None and len(last.response_logprobs) == response
+    store.close()
+    return {
+        "prompt_tokens": prompt, "response_tokens": response, "calls_per_block": calls, "rounds": rounds,
+        "untraced_call_us": summary(results["untraced"]), "traced_call_us": summary(results["traced"]),
+        "tracing_adds_us": summary(adds), "bare_empty_span_us": summary(results["bare"]),
+        "ratio": summary(ratios), "ns_per_token": round(summary(adds)["median"] * 1000 / (prompt + response), 1),
+        "rows_on_disk": rows, "rows_expected": expected,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="40+4,512+128,4000+1000,32000+1000")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens-per-block", type=int, default=400_000,
+                        help="calls per block = this / tokens per call (at least 20, at most 1000)")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="lrl-bench-"))
+    targets = {"40+4": 3.0, "4000+1000": 10.0}
+    print("\nwhat tracing adds to one LLM call (CPU us), against a bare empty OTel SDK span, same run")
+    print(f"{'shape':>12} {'untraced':>10} {'adds':>10} {'bare':>7} {'ratio':>7} {'ns/token':>9} {'target':>7}")
+    out = []
+    for shape in args.shapes.split(","):
+        prompt, response = (int(x) for x in shape.split("+"))
+        calls = max(20, min(1000, args.tokens_per_block // (prompt + response)))
+        r = measure(prompt, response, calls, args.rounds, tmp)
+        r["shape"], r["target_ratio_max"] = shape, targets.get(shape)
+        out.append(r)
+        target = f"<= {targets[shape]:g}" if shape in targets else ""
+        print(f"{shape:>12} {r['untraced_call_us']['median']:10.1f} {r['tracing_adds_us']['median']:10.1f} "
+              f"{r['bare_empty_span_us']['median']:7.1f} {r['ratio']['median']:7.1f} {r['ns_per_token']:9.1f} {target:>7}")
+        assert r["rows_on_disk"] == r["rows_expected"], f"rows lost: {r['rows_on_disk']} of {r['rows_expected']}"
+    print(json.dumps({"bench": "capture_cost", "shapes": out}))
+
+
+if __name__ == "__main__":
+    main()
