@@ -76,6 +76,8 @@ class PrefixSharer:
                 shared = _common_prefix_tokens(prompt, full)
                 if shared > best:
                     best_seq, best = cand_seq, shared
+                    if shared * 4 == len(prompt):  # the whole prompt (a repeated prompt): none can beat it
+                        break
         self._remember(rollout_id, seq, prompt + row[_RESPONSE])
         if best_seq is None or best < MIN_SHARED_TOKENS:
             return row
