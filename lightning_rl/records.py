@@ -180,11 +180,6 @@ class PackedTokens:
     def of(cls, prompt: Sequence[int], response: Sequence[int], logprobs: Sequence[float] | None) -> "PackedTokens":
         return cls(pack_ids(prompt), pack_ids(response), pack_logprobs(logprobs) if logprobs is not None else None)
 
-    def unpacked(self) -> SpanTokens:
-        return SpanTokens.model_construct(
-            prompt_ids=unpack_ids(self.prompt), response_ids=unpack_ids(self.response),
-            response_logprobs=unpack_logprobs(self.logprobs) if self.logprobs is not None else None)
-
 
 @dataclass(slots=True)
 class SpanRow:
