@@ -274,8 +274,10 @@ def _check_tokens(tokens: WireTokens, path: str, errors: list[str]) -> None:
     values = struct.unpack(f"<{(len(data) - 1) // width}{code.decode()}", data[1:])
     if n >= 0 and len(values) != n:
         errors.append(f"{path}.tokens.logprobs: {len(values)} log-probs for {n} response tokens")
-    total = math.fsum(values) if values else 0.0  # inf or nan iff some value is
-    if not math.isfinite(total) or (values and max(values) > 0):
+    # A finite sum means every value is finite (one C loop); only when it is not, look value by value
+    # (a sum can also overflow, or be inf - inf).
+    finite = math.isfinite(sum(values)) or all(map(math.isfinite, values))
+    if not finite or (values and max(values) > 0):
         errors.append(f"{path}.tokens.logprobs: log-probs must be finite and <= 0")
 
 

@@ -107,6 +107,8 @@ def test_a_batch_is_written_once_however_often_it_is_sent(server, http):
      "type byte"),
     (lambda ops: ops[1]["span"].update(tokens=_packed([1], [4, 5], [0.5, -0.1])), 422, "finite and <= 0"),
     (lambda ops: ops[1]["span"].update(tokens=_packed([1], [4], [float("nan")])), 422, "finite and <= 0"),
+    (lambda ops: ops[1]["span"].update(tokens=_packed([1], [4, 5], [float("-inf"), float("inf")])), 422,
+     "finite and <= 0"),
     # token arrays as attributes: how clients before 0.2 sent them
     (lambda ops: ops[1]["span"].update(tokens=None, attributes={"lightning_rl.prompt_token_ids": [1, -5]}), 422,
      "greater than or equal to 0"),
