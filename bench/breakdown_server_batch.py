@@ -3,7 +3,9 @@
 
 500-op batches as HttpStore sends them (128+32-token LLM spans, tokens packed), through the same
 functions the server's ``/batch`` route calls: parse (pydantic, strict JSON), ``check_ops``,
-``to_store_items`` and ``SQLiteStore.write_batch``. CPU microseconds per span; no HTTP.
+``to_store_items`` and ``SQLiteStore.write_batch``. CPU microseconds per span; no HTTP. The
+garbage collector is tuned as the server's workers tune it (without that, collections during the
+parse add about half again to its figure).
 
 Run: .venv/bin/python bench/breakdown_server_batch.py [--batches 20]
 """
@@ -23,6 +25,7 @@ from _server_payload import llm_attributes  # noqa: E402
 from lightning_rl.records import Rollout, SpanRow  # noqa: E402
 from lightning_rl.store import wire  # noqa: E402
 from lightning_rl.store.rows import lift_token_attributes  # noqa: E402
+from lightning_rl.store.server import _tune_gc  # noqa: E402
 from lightning_rl.store.sqlite_store import SQLiteStore  # noqa: E402
 
 
@@ -30,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=20)
     args = parser.parse_args()
+    _tune_gc()
     payloads = [lift_token_attributes(llm_attributes(128, 32, seed)) for seed in range(16)]
 
     def body(r: int) -> bytes:
