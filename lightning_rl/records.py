@@ -307,6 +307,9 @@ class Sample(_Record):
     token_rewards: list[float] | None = None
     group_id: str | None = None
     agent_name: str | None = None
+    #: The served model name the calls went to (under multi-LoRA serving, the LoRA's name): the
+    #: policy that trains on this sample (``route_by_policy``).
+    policy: str | None = None
     policy_version: int | None = None
     llm_call_indices: list[int] = Field(default_factory=list)
 

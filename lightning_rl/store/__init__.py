@@ -4,7 +4,7 @@ from .assembly import assemble, llm_call_from_span
 from .base import Store
 from .credit import CREDIT_ASSIGNERS, assign_credit, get_credit_assigner, register_credit, split_rewards
 from .memory_store import InMemoryStore
-from .samples import SampleStats, trajectory_samples
+from .samples import SampleStats, route_by_policy, trajectory_samples
 from .sqlite_store import SQLiteStore
 from .uri import open_store
 
@@ -20,6 +20,7 @@ __all__ = [
     "llm_call_from_span",
     "open_store",
     "register_credit",
+    "route_by_policy",
     "split_rewards",
     "trajectory_samples",
 ]

@@ -13,14 +13,18 @@ Which rewards are "final" and which are "step" rewards (``split_rewards``), for 
 
 Several agents (``assign_credit``): a reward without ``agent`` is the team's. An agent's own final
 reward is found by the same rule among the rewards given with ``agent=`` that name (so
-``emit_reward(v, agent="critic")`` at the end of a rollout is the critic's reward); it replaces the
-team reward for that agent's calls. Every other agent's calls get the team reward. Credit is
-assigned along each agent's own sequence of calls (``discounted`` counts back from that agent's
-last call).
+``emit_reward(v, agent="critic")`` at the end of a rollout is the critic's reward). Under every
+rule but ``team`` it replaces the team reward for that agent's calls; under ``team`` it adds to it.
+Every other agent's calls get the team reward. Credit is assigned along each agent's own sequence
+of calls (``discounted`` counts back from that agent's last call).
 
 Built in: ``final`` (the final reward to every call), ``discounted`` (gamma^(n-1-i) * final),
 ``per_step`` (step_i + final for every call), ``return_to_go`` (discounted sum of this and later
-step rewards plus the discounted final). Register your own with ``@register_credit("name")``.
+step rewards plus the discounted final), ``team`` (for teams of agents sharing a reward: every
+call of every agent that took part gets the team reward plus that agent's own final reward, if it
+has one, plus its step rewards; an agent with neither a team nor an own nor a step reward gets
+None). Register your own with ``@register_credit("name")``; an assigner with the attribute
+``agent_rewards = "add"`` receives team + own as ``final``, as ``team`` does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..diagnostics import count
 from ..errors import ConfigurationError, UnknownNameError
 from ..records import Reward, RewardSource
 
@@ -95,6 +100,14 @@ def return_to_go_credit(
     return out
 
 
+@register_credit("team")
+def team_credit(n: int, final: float | None, steps: Sequence[float]) -> list[float | None]:
+    return per_step_credit(n, final, steps)
+
+
+team_credit.agent_rewards = "add"  # type: ignore[attr-defined]
+
+
 def _final_of(rewards: Sequence[Reward]) -> Reward | None:
     final = None
     for r in rewards:
@@ -112,7 +125,20 @@ def split_rewards(rewards: Sequence[Reward], n_calls: int, name: str = "reward")
     return (team.value if team is not None else None), steps
 
 
-def _split(rewards: Sequence[Reward], n_calls: int, name: str) -> tuple[Reward | None, dict[str, Reward], list[float]]:
+def _own_call(call_agents: Sequence[str | None], index: int, agent: str) -> int | None:
+    """The call an agent's step reward belongs to: the agent's latest call at or before ``index``
+    (the call it was emitted after), else its first later call; None if the agent made no call."""
+    for j in range(min(index, len(call_agents) - 1), -1, -1):
+        if call_agents[j] == agent:
+            return j
+    for j in range(index + 1, len(call_agents)):
+        if call_agents[j] == agent:
+            return j
+    return None
+
+
+def _split(rewards: Sequence[Reward], n_calls: int, name: str,
+           call_agents: Sequence[str | None] | None = None) -> tuple[Reward | None, dict[str, Reward], list[float]]:
     mine = [r for r in rewards if r.name == name]
     team = _final_of([r for r in mine if r.agent is None])
     per_agent: dict[str, Reward] = {}
@@ -126,6 +152,13 @@ def _split(rewards: Sequence[Reward], n_calls: int, name: str) -> tuple[Reward |
         if r.source != RewardSource.EMITTED or id(r) in finals:
             continue
         index = r.llm_call_index or 0
+        if r.agent is not None and call_agents is not None and 0 <= index < n_calls \
+                and call_agents[index] != r.agent:  # an agent's step reward goes to that agent's calls only
+            own = _own_call(call_agents, index, r.agent)
+            if own is None:
+                count("agent_rewards_without_calls")
+                continue
+            index = own
         if 0 <= index < n_calls:
             steps[index] += r.value
     return team, per_agent, steps
@@ -142,13 +175,21 @@ def assign_credit(
     else the team's.
     """
     assigner = get_credit_assigner(credit)
+    add = getattr(assigner, "agent_rewards", "replace") == "add"
     n = len(call_agents)
-    team, per_agent, steps = _split(rewards, n, reward_name)
+    team, per_agent, steps = _split(rewards, n, reward_name, call_agents)
+    team_value = team.value if team is not None else None
     out: list[float | None] = [None] * n
     for agent in dict.fromkeys(call_agents):
         indices = [i for i, a in enumerate(call_agents) if a == agent]
-        final = per_agent.get(agent, team) if agent is not None else team
-        values = assigner(len(indices), final.value if final is not None else None, [steps[i] for i in indices], **kwargs)
+        own = per_agent.get(agent) if agent is not None else None
+        if own is None:
+            final = team_value
+        elif add and team_value is not None:
+            final = team_value + own.value
+        else:
+            final = own.value
+        values = assigner(len(indices), final, [steps[i] for i in indices], **kwargs)
         for i, value in zip(indices, values):
             out[i] = value
-    return (team.value if team is not None else None), out
+    return team_value, out

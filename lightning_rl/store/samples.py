@@ -2,8 +2,8 @@
 
 * ``call``: one sample per LLM call (prompt ids, response ids, mask all 1, engine logprobs, the
   call's credited reward).
-* ``trajectory``: consecutive calls merge into one sample while each prompt extends the previous
-  prompt + response as an exact token prefix; the tokens in between (tool results, user turns,
+* ``trajectory``: consecutive calls of one agent to one served model merge into one sample while each
+  prompt extends the previous prompt + response as an exact token prefix; the tokens in between (tool results, user turns,
   template glue) join the response with mask 0 and logprob 0.0. A call whose prompt breaks the
   prefix starts a new sample; the break is counted in ``SampleStats.splits``. The merged sample's
   ``reward`` is the credited reward of its last call (what trainers place on the last token).
@@ -13,12 +13,16 @@
 
 Calls without engine token ids are never turned into samples (re-tokenized text is not what the
 model produced); they are counted in ``SampleStats.missing_token_ids``.
+
+Every sample carries ``policy``: the served model name its calls went to. With several policies (a
+LoRA per agent, served by one vLLM under their own names), ``route_by_policy`` splits samples by
+that name, the name the engine actually served, never a guess from the agent's name.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigurationError
@@ -33,12 +37,15 @@ class SampleStats:
     splits: int = 0
     missing_token_ids: int = 0
     skipped_unrewarded: int = 0
+    #: Samples whose served model name is none of the trained policies' (``route_by_policy``).
+    unrouted: int = 0
 
     def add(self, other: "SampleStats") -> None:
         self.samples += other.samples
         self.splits += other.splits
         self.missing_token_ids += other.missing_token_ids
         self.skipped_unrewarded += other.skipped_unrewarded
+        self.unrouted += other.unrouted
 
 
 def _agent_filter(agents: str | Sequence[str] | None):
@@ -91,6 +98,7 @@ def trajectory_samples(
                     rollout_logprobs=_logprobs(c),
                     reward=c.reward,
                     agent_name=c.agent_name,
+                    policy=c.model,
                     policy_version=c.policy_version,
                     llm_call_indices=[c.index],
                 )
@@ -101,7 +109,8 @@ def trajectory_samples(
     current: Sample | None = None
     context: list[int] = []
     for c in calls:
-        if current is not None and c.prompt_token_ids[: len(context)] == context and c.agent_name == current.agent_name:
+        if (current is not None and c.agent_name == current.agent_name and c.model == current.policy
+                and c.prompt_token_ids[: len(context)] == context):
             observation = c.prompt_token_ids[len(context):]
             n_obs, n_resp = len(observation), len(c.response_token_ids)
             current.response_ids += observation + c.response_token_ids
@@ -133,6 +142,7 @@ def trajectory_samples(
                 reward=c.reward,
                 token_rewards=token_rewards,
                 agent_name=c.agent_name,
+                policy=c.model,
                 policy_version=c.policy_version,
                 llm_call_indices=[c.index],
             )
@@ -140,3 +150,31 @@ def trajectory_samples(
         context = current.prompt_ids + current.response_ids
     stats.samples = len(samples)
     return samples, stats
+
+
+def route_by_policy(samples: Iterable[Sample], policies: Collection[str],
+                    stats: SampleStats | None = None) -> dict[str, list[Sample]]:
+    """Samples split by the policy that trains on them: the served model name their calls went to
+    (``Sample.policy``). Every policy in ``policies`` gets a list (maybe empty); a sample served under
+    any other name is left out and counted in ``stats.unrouted`` (a call to a model nobody trains)."""
+    if isinstance(policies, str) or not policies:
+        raise ConfigurationError(f"policies must be a non-empty collection of served model names, got {policies!r}")
+    routed: dict[str, list[Sample]] = {name: [] for name in policies}
+    for sample in samples:
+        bucket = routed.get(sample.policy) if sample.policy is not None else None
+        if bucket is None:
+            if stats is not None:
+                stats.unrouted += 1
+            continue
+        bucket.append(sample)
+    return routed
+
+
+def group_keys(samples: Sequence[Sample]) -> list[str]:
+    """Each sample's group for group-relative advantages: its task group (else its rollout), and,
+    when the samples come from more than one policy, per policy too, so that each policy's
+    attempts are compared with that policy's own (a team's planner with planners, not solvers)."""
+    keys = [s.group_id or s.rollout_id or f"sample-{i}" for i, s in enumerate(samples)]
+    if len({s.policy for s in samples}) > 1:
+        keys = [f"{k}|policy={s.policy}" for k, s in zip(keys, samples)]
+    return keys

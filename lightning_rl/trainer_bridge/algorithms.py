@@ -69,19 +69,18 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def _per_rollout(scores: torch.Tensor, keys: np.ndarray, rollout_index: np.ndarray | None) -> dict[Any, list[torch.Tensor]]:
-    """Scores by key (group), one per rollout when ``rollout_index`` is given (its samples' mean)."""
+    """Scores by key (group), one per rollout and key when ``rollout_index`` is given (the mean of
+    that rollout's samples in the group: a team's rollout counts once for each policy's group)."""
     by_key: dict[Any, list[torch.Tensor]] = defaultdict(list)
     if rollout_index is None:
         for i in range(scores.shape[0]):
             by_key[keys[i]].append(scores[i])
         return by_key
-    per_rollout: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    key_of: dict[Any, Any] = {}
+    per_rollout: dict[tuple[Any, Any], list[torch.Tensor]] = defaultdict(list)
     for i in range(scores.shape[0]):
-        per_rollout[rollout_index[i]].append(scores[i])
-        key_of[rollout_index[i]] = keys[i]
-    for rollout, values in per_rollout.items():
-        by_key[key_of[rollout]].append(torch.stack(values).mean())
+        per_rollout[(keys[i], rollout_index[i])].append(scores[i])
+    for (key, _), values in per_rollout.items():
+        by_key[key].append(torch.stack(values).mean())
     return by_key
 
 

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import ConfigurationError
 from ..records import Sample
+from ..store.samples import group_keys
 from .algorithms import agg_loss, get_adv_estimator, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,7 +100,7 @@ def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
         if s.rollout_logprobs is not None and len(s.rollout_logprobs) == r:
             engine[i, :r] = torch.tensor(s.rollout_logprobs)
             has_engine[i] = 1
-    index = np.array([s.group_id or s.rollout_id or str(i) for i, s in enumerate(samples)], dtype=object)
+    index = np.array(group_keys(samples), dtype=object)
     rollout_index = np.array([s.rollout_id or str(i) for i, s in enumerate(samples)], dtype=object)
     return Batch(input_ids, attention, torch.tensor([len(s.prompt_ids) for s in samples]), response_mask,
                  response_valid, rewards, index, rollout_index, engine, has_engine)

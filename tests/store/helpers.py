@@ -10,10 +10,10 @@ from lightning_rl.records import Rollout, Span, SpanTokens
 
 def llm_span(rollout_id: str, seq: int, index: int, prompt: list[int], response: list[int], *,
              agent: str | None = None, logprobs: list[float] | None = None, source: str = "engine",
-             policy_version: int = 0) -> Span:
+             policy_version: int = 0, model: str = "tiny") -> Span:
     attrs = {
         semconv.GEN_AI_OPERATION_NAME: "chat",
-        semconv.GEN_AI_REQUEST_MODEL: "tiny",
+        semconv.GEN_AI_REQUEST_MODEL: model,
         semconv.LLM_CALL_INDEX: index,
         semconv.POLICY_VERSION: policy_version,
         semconv.TOKEN_IDS_SOURCE: source,

@@ -8,7 +8,8 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
-from lightning_rl.store import InMemoryStore, get_credit_assigner, split_rewards, trajectory_samples
+from lightning_rl.store import InMemoryStore, get_credit_assigner, route_by_policy, split_rewards, trajectory_samples
+from lightning_rl.store.samples import SampleStats
 
 from .helpers import llm_span, rollout
 
@@ -188,3 +189,68 @@ def test_discounting_runs_along_each_agents_own_calls():
     s = _team_store([R(1.0, source=RewardSource.RETURNED)])
     t = s.trajectory("r1", credit="discounted", gamma=0.5)
     assert [c.reward for c in t.llm_calls] == [0.5, 1.0, 1.0]  # writer: 2 calls; critic: its last call
+
+
+# -- teams: the team rule, and samples routed to each agent's policy ----------------------------------
+def test_team_credit_adds_an_agents_own_reward_to_the_shared_one():
+    """Under ``team`` the shared reward reaches every agent that took part, and an agent's own
+    reward adds to it for that agent only (under ``final`` it replaces it)."""
+    rewards = [R(1.0, source=RewardSource.RETURNED), Reward(rollout_id="r1", value=0.25, agent="critic")]
+    s = _team_store(rewards)
+    assert [c.reward for c in s.trajectory("r1", credit="team").llm_calls] == [1.0, 1.25, 1.0]
+    assert [c.reward for c in s.trajectory("r1", credit="final").llm_calls] == [1.0, 0.25, 1.0]
+    only_own = _team_store([Reward(rollout_id="r1", value=0.25, agent="critic")])
+    assert [c.reward for c in only_own.trajectory("r1", credit="team").llm_calls] == [None, 0.25, None]
+
+
+def test_an_agents_emitted_step_reward_lands_on_its_own_call():
+    """Emitted mid-run after the writer's call 2, a step reward for the critic (0.5) belongs to the
+    critic's latest call (1), not to the call it happened to follow; the critic's latest emitted
+    reward (0.1) is its own final reward, added to the team's."""
+    rewards = [R(1.0, source=RewardSource.RETURNED),
+               Reward(rollout_id="r1", value=0.5, agent="critic", llm_call_index=2, source="emitted"),
+               Reward(rollout_id="r1", value=0.1, agent="critic", llm_call_index=1, source="emitted")]
+    s = _team_store(rewards)
+    assert [c.reward for c in s.trajectory("r1", credit="team").llm_calls] == [1.0, 1.5 + 0.1, 1.0]
+    ghost = _team_store([R(1.0, source=RewardSource.RETURNED),
+                         Reward(rollout_id="r1", value=9.0, agent="ghost", llm_call_index=0, source="emitted"),
+                         Reward(rollout_id="r1", value=0.5, agent="ghost", llm_call_index=1, source="emitted")])
+    before = lrl.stats().get("agent_rewards_without_calls", 0)
+    assert [c.reward for c in ghost.trajectory("r1", credit="team").llm_calls] == [1.0, 1.0, 1.0]
+    assert lrl.stats()["agent_rewards_without_calls"] == before + 1  # 0.5 is ghost's final; 9.0 had no call to go to
+
+
+def _two_policy_store():
+    calls = [llm_span("r1", 0, 0, [1], [2], agent="planner", model="planner-lora"),
+             llm_span("r1", 1, 1, [1, 2, 3], [4], agent="solver", model="solver-lora"),
+             llm_span("r1", 2, 2, [1, 2, 3, 4, 5], [6], agent="planner", model="planner-lora"),
+             llm_span("r1", 3, 3, [7], [8], agent="planner", model="judge")]  # a model nobody trains
+    return _store_with(calls, [R(1.0, source=RewardSource.RETURNED)])
+
+
+@pytest.mark.parametrize("level", ["call", "trajectory"])
+def test_samples_are_routed_by_the_served_model_name(level):
+    t = _two_policy_store().trajectory("r1", credit="team")
+    samples, stats = trajectory_samples(t, level=level)
+    routed = route_by_policy(samples, ["planner-lora", "solver-lora"], stats)
+    assert {name: [x.llm_call_indices for x in group] for name, group in routed.items()} == {
+        "planner-lora": [[0], [2]] if level == "call" else [[0], [2]],
+        "solver-lora": [[1]],
+    }
+    assert all(x.policy == name for name, group in routed.items() for x in group)
+    assert all(x.reward == 1.0 for group in routed.values() for x in group)
+    assert stats.unrouted == 1  # the call to "judge"
+
+
+def test_trajectory_samples_never_merge_calls_served_by_different_policies():
+    calls = [llm_span("r1", 0, 0, [1], [2], agent="a", model="p1"),
+             llm_span("r1", 1, 1, [1, 2, 3], [4], agent="a", model="p2")]  # extends the prefix, another policy
+    samples, stats = trajectory_samples(_store_with(calls, [R(1.0, source=RewardSource.RETURNED)]).trajectory("r1"),
+                                        level="trajectory")
+    assert [(x.policy, x.llm_call_indices) for x in samples] == [("p1", [0]), ("p2", [1])] and stats.splits == 1
+
+
+def test_route_by_policy_wants_names():
+    with pytest.raises(lrl.ConfigurationError, match="non-empty collection of served model names"):
+        route_by_policy([], "planner")
+    assert route_by_policy([], ["a"], SampleStats()) == {"a": []}
