@@ -32,6 +32,15 @@ from lightning_rl.adapters.openai import LLMCall  # noqa: E402
 from lightning_rl.tracer import current_rollout  # noqa: E402
 
 
+def chat_request() -> tuple[openai.OpenAI, FinalRequestOptions]:
+    """A client and the options of one chat request, as the OpenAI client hands them to ``request``."""
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")
+    body = {"model": "tiny", "max_tokens": 128, "temperature": 1.0,
+            "messages": [{"role": "system", "content": "You are a helpful agent."},
+                         {"role": "user", "content": "What is 12+30? " * 8}]}
+    return client, FinalRequestOptions(method="post", url="/chat/completions", json_data=body)
+
+
 def fake_vllm_response(prompt_len: int, response_len: int) -> ChatCompletion:
     rng = random.Random(0)
     ids = [rng.randrange(100) for _ in range(response_len)]
@@ -58,11 +67,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="lrl-bench-"))
     store = lrl.configure(store=f"sqlite:///{tmp / 'bench.db'}")
-    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")
-    body = {"model": "tiny", "max_tokens": 128, "temperature": 1.0,
-            "messages": [{"role": "system", "content": "You are a helpful agent."},
-                         {"role": "user", "content": "What is 12+30? " * 8}]}
-    options = FinalRequestOptions(method="post", url="/chat/completions", json_data=body)
+    client, options = chat_request()
     response = fake_vllm_response(args.prompt_tokens, args.response_tokens)
 
     @lrl.trace

@@ -21,12 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import openai
-from openai._models import FinalRequestOptions
 from opentelemetry.sdk.trace import TracerProvider
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_span_cost import fake_vllm_response  # noqa: E402
+from bench_span_cost import chat_request, fake_vllm_response  # noqa: E402
 
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.adapters.openai import LLMCall  # noqa: E402
@@ -54,11 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     n = args.calls
     store = lrl.configure(store=f"sqlite:///{Path(tempfile.mkdtemp(prefix='lrl-bench-')) / 'b.db'}")
-    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")
-    body = {"model": "tiny", "max_tokens": 128, "temperature": 1.0,
-            "messages": [{"role": "system", "content": "You are a helpful agent."},
-                         {"role": "user", "content": "What is 12+30? " * 8}]}
-    options = FinalRequestOptions(method="post", url="/chat/completions", json_data=body)
+    client, options = chat_request()
     response = fake_vllm_response(args.prompt_tokens, args.response_tokens)
     out: dict[str, float] = {}
     keep = _KeepRows()

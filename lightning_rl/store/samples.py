@@ -2,9 +2,9 @@
 
 * ``call``: one sample per LLM call (prompt ids, response ids, mask all 1, engine logprobs, the
   call's credited reward).
-* ``trajectory``: consecutive calls of one agent to one served model merge into one sample while each
-  prompt extends the previous prompt + response as an exact token prefix; the tokens in between (tool results, user turns,
-  template glue) join the response with mask 0 and logprob 0.0. A call whose prompt breaks the
+* ``trajectory``: consecutive calls of one agent to one served model merge into one sample while
+  each prompt extends the previous prompt + response as an exact token prefix; the tokens in between
+  (tool results, user turns, template glue) join the response with mask 0 and logprob 0.0. A call whose prompt breaks the
   prefix starts a new sample; the break is counted in ``SampleStats.splits``. The merged sample's
   ``reward`` is the credited reward of its last call (what trainers place on the last token).
   ``token_rewards`` holds every merged call's credited reward at that call's last generated token
@@ -25,6 +25,7 @@ import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..diagnostics import count
 from ..errors import ConfigurationError
 from ..records import LLMCall, Sample, TokenIdsSource, Trajectory
 
@@ -156,13 +157,15 @@ def route_by_policy(samples: Iterable[Sample], policies: Collection[str],
                     stats: SampleStats | None = None) -> dict[str, list[Sample]]:
     """Samples split by the policy that trains on them: the served model name their calls went to
     (``Sample.policy``). Every policy in ``policies`` gets a list (maybe empty); a sample served under
-    any other name is left out and counted in ``stats.unrouted`` (a call to a model nobody trains)."""
+    any other name is left out and counted (``stats.unrouted`` when given, and always the process
+    counter ``samples_unrouted``): a call to a model nobody trains."""
     if isinstance(policies, str) or not policies:
         raise ConfigurationError(f"policies must be a non-empty collection of served model names, got {policies!r}")
     routed: dict[str, list[Sample]] = {name: [] for name in policies}
     for sample in samples:
         bucket = routed.get(sample.policy) if sample.policy is not None else None
         if bucket is None:
+            count("samples_unrouted")
             if stats is not None:
                 stats.unrouted += 1
             continue

@@ -232,6 +232,7 @@ def _two_policy_store():
 def test_samples_are_routed_by_the_served_model_name(level):
     t = _two_policy_store().trajectory("r1", credit="team")
     samples, stats = trajectory_samples(t, level=level)
+    before = lrl.stats().get("samples_unrouted", 0)
     routed = route_by_policy(samples, ["planner-lora", "solver-lora"], stats)
     assert {name: [x.llm_call_indices for x in group] for name, group in routed.items()} == {
         "planner-lora": [[0], [2]] if level == "call" else [[0], [2]],
@@ -239,7 +240,7 @@ def test_samples_are_routed_by_the_served_model_name(level):
     }
     assert all(x.policy == name for name, group in routed.items() for x in group)
     assert all(x.reward == 1.0 for group in routed.values() for x in group)
-    assert stats.unrouted == 1  # the call to "judge"
+    assert stats.unrouted == 1 and lrl.stats()["samples_unrouted"] == before + 1  # the call to "judge"
 
 
 def test_trajectory_samples_never_merge_calls_served_by_different_policies():
