@@ -335,8 +335,9 @@ class QueueEntry(_Record):
     attempt: int = 0
     mode: Mode = Mode.TRAIN
     status: QueueStatus = QueueStatus.QUEUED
-    runner: str | None = None
+    runner: str | None = None  # who holds the lease, or who completed it
     lease_expires: float | None = None
+    lease_key: str | None = None  # the key of the lease request that handed out this try (retries reuse it)
     tries: int = 0  # how many times it was leased (a retry after a dead runner is another try)
     max_tries: int = 3
     rollout_id: str | None = None  # the rollout of the current (or last) try

@@ -253,15 +253,18 @@ class Store:
 
         return self._queue_txn(put)
 
-    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:
-        """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued, see the rules)."""
+    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
+              key: str | None = None) -> list[QueueEntry]:
+        """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued, see the rules).
+        Asking again with the same ``key`` returns what that request leased (a retry after a lost answer)."""
         expired: list[QueueEntry] = []
 
         def expire(entry: QueueEntry, reason: str) -> None:
             self.expire_rollout(entry, reason)
             expired.append(entry)
 
-        leased = self._queue_txn(lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire))
+        leased = self._queue_txn(
+            lambda view: task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire, key))
         if expired:
             self.flush()  # the expired tries read timed_out by the time their retries are handed out
         return leased

@@ -350,9 +350,13 @@ class HttpStore(Store):
                                                                  group_id=group_id, once=once))
         return wire.QUEUE_ENTRIES.validate_python(data)
 
-    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1) -> list[QueueEntry]:
+    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
+              key: str | None = None) -> list[QueueEntry]:
+        """As :meth:`Store.lease`; every call carries a key (a fresh one unless given), which its retries
+        reuse, so an answer lost on the way back (a server killed after its commit) strands nothing."""
         self.flush()  # an expired try is marked timed_out by the server; our own records go first
-        data = self._request("POST", "/queue/lease", json=dict(runner=runner, lease_seconds=lease_seconds, limit=limit))
+        data = self._request("POST", "/queue/lease", json=dict(runner=runner, lease_seconds=lease_seconds, limit=limit,
+                                                               key=key or uuid.uuid4().hex))
         return wire.QUEUE_ENTRIES.validate_python(data)
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:

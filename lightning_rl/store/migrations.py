@@ -190,3 +190,9 @@ def migrate(conn: sqlite3.Connection, path: str) -> int:
         conn.execute("ROLLBACK")
         raise
     return latest
+
+
+@migration(6, "queue lease keys (a retried lease request gets the entries it leased)")
+def _lease_keys(db: sqlite_utils.Database) -> None:
+    if "lease_key" not in db["queue"].columns_dict:
+        db["queue"].add_column("lease_key", str)

@@ -189,12 +189,13 @@ def reward_from_values(values: tuple | list) -> Reward:
 
 
 QUEUE_COLUMNS = ("queue_id", "group_id", "task", "attempt", "mode", "status", "runner", "lease_expires", "tries",
-                 "max_tries", "rollout_id", "outcome", "created")
+                 "max_tries", "rollout_id", "outcome", "created", "lease_key")
 
 
 def queue_values(e: QueueEntry) -> tuple:
     return (e.queue_id, e.group_id, orjson.dumps(e.task).decode(), e.attempt, e.mode.value, e.status.value, e.runner,
-            e.lease_expires, e.tries, e.max_tries, e.rollout_id, e.outcome.value if e.outcome else None, e.created)
+            e.lease_expires, e.tries, e.max_tries, e.rollout_id, e.outcome.value if e.outcome else None, e.created,
+            e.lease_key)
 
 
 def queue_from_values(values: tuple | list) -> QueueEntry:

@@ -333,7 +333,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     async def lease(request: Request) -> Response:
         data = await body_of(request, wire.LeaseIn)
         entries = await anyio.to_thread.run_sync(lambda: store.lease(
-            data.runner, lease_seconds=data.lease_seconds, limit=data.limit))
+            data.runner, lease_seconds=data.lease_seconds, limit=data.limit, key=data.key))
         return _json([e.model_dump(mode="json") for e in entries])
 
     @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=_body_schema(wire.HeartbeatIn))

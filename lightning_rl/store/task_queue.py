@@ -8,8 +8,14 @@ Rules:
   reports, before or after (``Store.expire_rollout``), is kept, and is never mixed into the retry, which
   gets a fresh rollout id. An entry leased ``max_tries`` times whose lease expires again is done with
   outcome ``timed_out``.
+* A lease request may carry a ``key`` (``HttpStore`` sends a fresh one per call): asking again with
+  the same runner and key returns the entries that request leased, so a retry after a lost answer
+  (a server killed between its commit and its reply) gets them instead of stranding them until they
+  expire.
 * ``heartbeat`` extends a lease; ``complete`` records the rollout's outcome. Only the runner holding
-  the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused).
+  the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused). A done entry
+  keeps the runner that completed it, so that runner repeating the same outcome (a retry after a lost
+  answer) is told yes again.
 * ``wait(group_ids)`` waits until every entry of those groups is done.
 """
 
@@ -45,10 +51,17 @@ def new_group(task: Any, n: int, *, mode: str | Mode = Mode.TRAIN, max_tries: in
 
 
 def lease(view: QueueView, runner: str, lease_seconds: float, limit: int, now: float,
-          expire_rollout: Callable[[QueueEntry, str], None]) -> list[QueueEntry]:
+          expire_rollout: Callable[[QueueEntry, str], None], key: str | None = None) -> list[QueueEntry]:
     out: list[QueueEntry] = []
     changed: list[QueueEntry] = []
-    for entry in view.select(status=[QueueStatus.LEASED]):
+    held = view.select(status=[QueueStatus.LEASED])
+    if key is not None:
+        again = [e.model_copy(update={"lease_expires": now + lease_seconds})
+                 for e in held if e.runner == runner and e.lease_key == key]
+        if again:  # this request was answered before and the answer lost: the same entries, no new try
+            view.put(again)
+            return again
+    for entry in held:
         if entry.lease_expires is not None and entry.lease_expires < now:
             if entry.rollout_id:
                 expire_rollout(entry, f"lease of runner {entry.runner!r} expired")
@@ -56,13 +69,14 @@ def lease(view: QueueView, runner: str, lease_seconds: float, limit: int, now: f
                 entry = entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus.TIMED_OUT,
                                                  "runner": None, "lease_expires": None})
             else:
-                entry = entry.model_copy(update={"status": QueueStatus.QUEUED, "runner": None, "lease_expires": None})
+                entry = entry.model_copy(update={"status": QueueStatus.QUEUED, "runner": None, "lease_expires": None,
+                                                 "lease_key": None})
             changed.append(entry)
     view.put(changed)
     for entry in view.select(status=[QueueStatus.QUEUED], limit=limit):
         leased = entry.model_copy(update={
             "status": QueueStatus.LEASED, "runner": runner, "lease_expires": now + lease_seconds,
-            "tries": entry.tries + 1, "rollout_id": uuid.uuid4().hex,
+            "tries": entry.tries + 1, "rollout_id": uuid.uuid4().hex, "lease_key": key,
         })
         out.append(leased)
     view.put(out)
@@ -83,11 +97,12 @@ def heartbeat(view: QueueView, queue_id: str, runner: str, lease_seconds: float,
 
 
 def complete(view: QueueView, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    outcome = RolloutStatus(outcome)
     entry = _held(view, queue_id, runner)
-    if entry is None:
-        return False
-    view.put([entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus(outcome),
-                                       "runner": None, "lease_expires": None})])
+    if entry is None:  # already done by this runner with this outcome: a retried request, same answer
+        done = view.select(status=[QueueStatus.DONE], queue_id=queue_id)
+        return bool(done) and done[0].runner == runner and done[0].outcome == outcome
+    view.put([entry.model_copy(update={"status": QueueStatus.DONE, "outcome": outcome, "lease_expires": None})])
     return True
 
 

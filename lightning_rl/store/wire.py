@@ -152,6 +152,7 @@ class LeaseIn(_Wire):
     runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     lease_seconds: float = Field(60.0, gt=0, le=86_400)
     limit: int = Field(1, ge=1, le=1000)
+    key: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)  # retries of one request reuse it
 
 
 class HeartbeatIn(_Wire):

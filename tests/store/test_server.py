@@ -406,3 +406,52 @@ def test_trainer_worker_processes_lease_through_the_server(server, tmp_path, mon
     assert len(entries) == 8 and all(e.outcome == RolloutStatus.SUCCEEDED for e in entries)
     assert len(list(client.trajectories(status="succeeded"))) == 8
     client.close()
+
+
+def _drop_answers(client: HttpStore, path: str, times: int = 1) -> list[int]:
+    """The server does the work of the next `times` requests to `path` and the answer never comes back
+    (a server killed between its commit and its reply). Returns the list the dropped requests are counted in."""
+    real_send, dropped = client._client.send, []
+
+    def send(request, **kwargs):
+        response = real_send(request, **kwargs)
+        if request.url.path.endswith(path) and len(dropped) < times:
+            response.read()
+            dropped.append(response.status_code)
+            raise httpx.ReadError("connection closed before the answer", request=request)
+        return response
+
+    client._client.send = send
+    return dropped
+
+
+def test_a_lease_whose_answer_was_lost_is_handed_to_its_retry(server, tmp_path):
+    """Reproduces the CI failure of test_server_killed_and_restarted_under_load: the server leased
+    entries and died before answering; the client's retry must get those entries, not strand them
+    (leased to nobody until the lease expires, and re-issued only if some runner still asks then)."""
+    client = HttpStore(server.url, token=TOKEN, spill_dir=tmp_path / "spill", retry_for=5)
+    entries = client.enqueue({"q": 1}, n=3)
+    dropped = _drop_answers(client, "/queue/lease")
+    leased = client.lease("r-a", lease_seconds=600, limit=2)
+    assert dropped == [200]  # the first answer was lost after the server had leased two entries
+    assert len(leased) == 2
+    rest = client.lease("r-a", lease_seconds=600, limit=5)  # a new call is a new lease
+    assert {e.queue_id for e in leased} | {e.queue_id for e in rest} == {e.queue_id for e in entries}
+    assert not {e.queue_id for e in leased} & {e.queue_id for e in rest}
+    stored = server.store.queue_entries([entries[0].group_id])
+    assert sorted(e.tries for e in stored) == [1, 1, 1]  # the retry did not count as another try
+    client.close()
+
+
+def test_a_completion_whose_answer_was_lost_still_reads_done(server, tmp_path):
+    client = HttpStore(server.url, token=TOKEN, spill_dir=tmp_path / "spill", retry_for=5)
+    (entry,) = client.enqueue({"q": 1}, n=1)
+    (leased,) = client.lease("r-a", lease_seconds=600)
+    dropped = _drop_answers(client, "/queue/complete")
+    assert client.complete(leased.queue_id, "r-a", "succeeded")  # the retry sees its own completion
+    assert dropped == [200]
+    assert not client.complete(leased.queue_id, "r-b", "succeeded")  # another runner's word is still refused
+    assert not client.complete(leased.queue_id, "r-a", "failed")  # and so is a different outcome
+    (done,) = server.store.queue_entries([entry.group_id])
+    assert done.status.value == "done" and done.outcome == RolloutStatus.SUCCEEDED
+    client.close()

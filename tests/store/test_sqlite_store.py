@@ -240,6 +240,8 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
     conn.execute("PRAGMA user_version = 2")
     conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "
                  "VALUES ('r1', 'a', 0, 'train', 'succeeded', 1.0)")
+    conn.execute("INSERT INTO queue (queue_id, group_id, task, attempt, mode, status, runner, lease_expires, tries, "
+                 "max_tries, created) VALUES ('q1', 'g1', '{}', 0, 'train', 'leased', 'r-a', 1e12, 1, 3, 1.0)")
     conn.executemany("INSERT INTO rewards (rollout_id, name, value, source, time) VALUES ('r1', ?, ?, 'emitted', 1.0)",
                      [("reward", 1.0), ("step", 0.5)])
     conn.close()
@@ -248,6 +250,8 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
         assert [r.value for r in store.rewards("r1")] == [1.0, 0.5] and len(set(uids)) == 2 and all(uids)
         again = store.add_reward("r1", 2.0, uid=uids[0])  # an existing uid: not stored twice
         assert again.uid == uids[0] and len(store.rewards("r1")) == 2
+        (held,) = store.queue_entries(["g1"])  # a lease from before lease keys: read, and completed as before
+        assert held.lease_key is None and store.complete("q1", "r-a", "succeeded")
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 5
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 6
     conn.close()

@@ -131,7 +131,7 @@ def test_sync_agent_in_worker_processes(tmp_path):
     assert codes == [0, 0]
     entries = store.queue_entries(groups)
     assert len(entries) == 12 and {e.outcome for e in entries} == {RolloutStatus.SUCCEEDED}
-    assert {e.runner for e in entries} == {None}  # completed
+    assert None not in {e.runner for e in entries} and len({e.runner for e in entries}) <= 2  # who completed each
     finals = sorted(store.trajectory(e.rollout_id).final_reward for e in entries)
     assert finals == [0.0] * 6 + [1.0] * 6
     store.close()
