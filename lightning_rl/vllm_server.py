@@ -46,6 +46,7 @@ class VLLMServer:
     max_model_len: int = 2048
     enable_lora: bool = False
     max_lora_rank: int = 16
+    max_loras: int = 1  # adapters in one batch (one per policy a team trains)
     extra_args: tuple[str, ...] = ()
     log_path: Path | None = None
     ready_timeout: float = 300.0
@@ -71,7 +72,7 @@ class VLLMServer:
             "--logprobs-mode", "processed_logprobs",
         ]
         if self.enable_lora:
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         return cmd + list(self.extra_args)
 
     def start(self) -> "VLLMServer":

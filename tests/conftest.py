@@ -84,7 +84,7 @@ def vllm_url(tmp_path_factory):
     if reuse:
         yield reuse.rstrip("/") + "/v1"
         return
-    server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, enable_lora=True,
+    server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, enable_lora=True, max_loras=2,
                         log_path=tmp_path_factory.mktemp("vllm") / "server.log")
     with server:
         yield server.base_url

@@ -23,6 +23,7 @@ optional KL to the base model (the adapter disabled) is added.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,14 @@ def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
 
 
 class LocalBackend:
-    """Holds the PEFT model and its optimizer; ``model`` is what a publisher saves."""
+    """Holds the PEFT model and one optimizer per adapter; ``model`` is what a publisher saves.
+
+    ``policies`` (served names) gives one LoRA adapter per policy on the one base model (PEFT
+    multi-adapter): ``update(samples, policy=name)`` trains that adapter only, with its own
+    optimizer, and ``adapter(name)`` is what its publisher saves. Without it: one adapter."""
 
     def __init__(self, model_dir: str | Path, config: LocalConfig | None = None, *, seed: int = 0,
-                 device: str | None = None) -> None:
+                 device: str | None = None, policies: Sequence[str] | None = None) -> None:
         try:
             import peft
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,16 +128,62 @@ class LocalBackend:
         dtype = getattr(torch, self.config.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ConfigurationError(f"dtype {self.config.dtype!r} is not a torch dtype; use float32 or bfloat16")
+        if policies is not None and (isinstance(policies, str) or not policies
+                                     or len(set(policies)) != len(policies)):
+            raise ConfigurationError(f"policies must be distinct served names, at least one, got {policies!r}")
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        self.base_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
         self.pad_token_id = AutoTokenizer.from_pretrained(str(model_dir)).pad_token_id or 0
         lora = peft.LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha, lora_dropout=0.0,
                                target_modules=list(self.config.target_modules))
-        self.model = peft.get_peft_model(base, lora).to(self.device)
+        # PEFT adapter names are module keys: policy i is "policy{i}" inside, its served name outside
+        self._adapters: dict[str | None, str] = (
+            {None: "default"} if policies is None else {name: f"policy{i}" for i, name in enumerate(policies)})
+        names = list(self._adapters.values())
+        self.model = peft.get_peft_model(base, lora, adapter_name=names[0])
+        for name in names[1:]:
+            self.model.add_adapter(name, lora)
+        self.model = self.model.to(self.device)
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        self._optimizers = {policy: torch.optim.AdamW(self._params(name), lr=self.config.lr, weight_decay=0.0)
+                            for policy, name in self._adapters.items()}
+        self.optimizer = next(iter(self._optimizers.values()))
         self.estimator = get_adv_estimator(self.config.adv_estimator)
         self.policy_loss = get_policy_loss(self.config.policy_loss)
+
+    @property
+    def policies(self) -> list[str | None]:
+        return list(self._adapters)
+
+    def _params(self, adapter: str) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if "lora_" in n and f".{adapter}." in n]
+
+    def _name(self, policy: str | None) -> str:
+        if policy not in self._adapters:
+            known = ", ".join(repr(p) for p in self._adapters)
+            raise ConfigurationError(f"no adapter for policy {policy!r}; this backend holds {known}")
+        return self._adapters[policy]
+
+    def _use(self, policy: str | None) -> None:
+        name = self._name(policy)
+        if self.model.active_adapter != name:
+            self.model.set_adapter(name)  # only this adapter is active and trainable
+
+    def adapter(self, policy: str | None = None) -> "AdapterWeights":
+        """The weights a publisher saves for ``policy`` (its adapter alone, as a PEFT adapter folder)."""
+        return AdapterWeights(self.model, self._name(policy))
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes held in this process: the base model once, and per policy its adapter and optimizer state."""
+        out: dict[str, Any] = {"base_mb": self.base_bytes / 2**20, "policies": {}}
+        for policy, name in self._adapters.items():
+            params = self._params(name)
+            state = self._optimizers[policy].state
+            adapter = sum(p.numel() * p.element_size() for p in params)
+            optimizer = sum(t.numel() * t.element_size() for p in params for t in state.get(p, {}).values()
+                            if isinstance(t, torch.Tensor))
+            out["policies"][str(policy)] = {"adapter_mb": adapter / 2**20, "optimizer_mb": optimizer / 2**20}
+        return out
 
     def response_logprobs(self, batch: Batch, rows: slice) -> torch.Tensor:
         """[b, R] log-probs of the response tokens of ``batch[rows]`` under the current model."""
@@ -151,8 +202,14 @@ class LocalBackend:
         step = self.config.micro_batch_size
         return torch.cat([self.response_logprobs(batch, slice(i, i + step)) for i in range(0, len(batch.index), step)])
 
-    def update(self, samples: list[Sample]) -> dict[str, float]:
+    def update(self, samples: list[Sample], policy: str | None = None) -> dict[str, float]:
+        """One batch of updates to ``policy``'s adapter (the only one, when the backend holds one)."""
         cfg = self.config
+        if policy is None and len(self._adapters) > 1:
+            raise ConfigurationError(f"this backend holds {len(self._adapters)} policies; name the one to update "
+                                     f"(update(samples, policy=...), one of {self.policies})")
+        self._use(policy)
+        optimizer = self._optimizers[policy]
         if cfg.mini_batch_size < 1 or cfg.micro_batch_size < 1 or cfg.ppo_epochs < 1:
             raise ConfigurationError(f"mini_batch_size, micro_batch_size and ppo_epochs must be >= 1, got "
                                      f"{cfg.mini_batch_size}, {cfg.micro_batch_size}, {cfg.ppo_epochs}")
@@ -182,7 +239,7 @@ class LocalBackend:
             perm = torch.randperm(n, generator=order).tolist()
             for start in range(0, n, cfg.mini_batch_size):
                 mini = perm[start:start + cfg.mini_batch_size]
-                self.optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
                 for m in range(0, len(mini), cfg.micro_batch_size):
                     rows = mini[m:m + cfg.micro_batch_size]
                     log_prob = self.response_logprobs(batch, rows)
@@ -198,10 +255,9 @@ class LocalBackend:
                     pg["loss"] = loss.item()
                     for key, value in pg.items():
                         sums[key] = sums.get(key, 0.0) + value * share
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], cfg.max_grad_norm)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
-                self.optimizer.step()
+                optimizer.step()
                 steps += 1
         stats.update({key: value / steps for key, value in sums.items()})  # means over optimizer steps
         rewards = batch.token_level_rewards.sum(-1)
@@ -219,3 +275,22 @@ class LocalBackend:
             gap = masked_mean((engine - old).abs(), mask * has_engine).item()
             stats["engine_logprob_gap"] = gap if math.isfinite(gap) else float("nan")
         return stats
+
+
+class AdapterWeights:
+    """One adapter of a multi-adapter PEFT model, saved as a plain PEFT adapter folder
+    (``adapter_config.json`` and ``adapter_model.safetensors``: what vLLM's LoRA loader reads)."""
+
+    def __init__(self, model: Any, adapter: str) -> None:
+        self.model, self.name = model, adapter
+
+    def save_pretrained(self, path: str | Path) -> None:
+        import peft
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = peft.get_peft_model_state_dict(self.model, adapter_name=self.name)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+                  str(path / "adapter_model.safetensors"))
+        self.model.peft_config[self.name].save_pretrained(str(path))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,6 +71,25 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> str:
         raise PublishError(f"{url} answered {exc.code}: {detail}") from None
     except OSError as exc:
         raise PublishError(f"cannot reach {url}: {exc}; is the vLLM server running with --enable-lora?") from None
+
+
+def check_served(server_url: str, names: Sequence[str], timeout: float = 30.0) -> None:
+    """Every name in ``names`` is served as an adapter by the OpenAI server at ``server_url``: listed
+    by ``/v1/models`` and not the base model itself. Raises a :class:`ConfigurationError` naming it."""
+    url = server_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            listed = {m.get("id"): m for m in json.loads(response.read()).get("data", [])}
+    except (OSError, ValueError) as exc:
+        raise PublishError(f"cannot list the served models at {url}: {exc}") from None
+    for name in names:
+        model = listed.get(name)
+        if model is None:
+            raise ConfigurationError(f"the server at {server_url} does not serve {name!r} (it serves "
+                                     f"{sorted(listed)}); start vLLM with --enable-lora --max-loras {len(names)}")
+        if "parent" in model and model["parent"] is None:
+            raise ConfigurationError(f"{name!r} is the base model's own name on {server_url}; give the policy "
+                                     f"another served name (its LoRA is loaded under it)")
 
 
 @register_publisher("vllm_lora")

@@ -7,6 +7,12 @@ publish the new weights (policy version = step + 1), and append a metrics line t
 with ``failure_reward``; a group with an infrastructure failure is left out whole
 (``trainer_bridge/failures.py``). Everything left out is counted in the line. Optional held-out
 evaluation before and after (``mode="eval"``). ``plot_metrics`` draws reward against step.
+
+Teams: ``policies={"planner": "planner-lora", "solver": "solver-lora"}`` maps each agent to the served
+name of its own LoRA on the one base model (two agents may share one). Each policy is an adapter of
+the local backend, published and versioned on its own; a step routes samples by the served name
+their calls went to (``route_by_policy``), updates each policy that has samples and publishes it.
+Without ``policies``, every agent trains the one policy served as ``served_name``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import inspect
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +30,10 @@ from typing import Any
 from ..errors import ConfigurationError, UnknownNameError
 from ..records import RolloutStatus, Sample
 from ..store.base import Store
-from ..store.samples import SampleStats, trajectory_samples
+from ..store.samples import SampleStats, route_by_policy, trajectory_samples
 from .failures import INFRA_ERRORS, FailureCounts, failure_kind, with_failure_reward
 from .local import LocalBackend, LocalConfig
-from .publishers import Publisher, make_publisher, publish_and_record
+from .publishers import Publisher, check_served, make_publisher, publish_and_record
 from .runner import Runner, run_in_processes
 
 BACKENDS = ("local",)
@@ -62,6 +68,7 @@ class Trainer:
     level: str = "call"
     credit: str = "final"
     agents: str | Sequence[str] | None = None
+    policies: Mapping[str, str] | None = None  # agent name -> served name of its LoRA (None: one policy)
     local: LocalConfig = field(default_factory=LocalConfig)
     seed: int = 0
     lease_seconds: float = 60.0
@@ -83,6 +90,7 @@ class Trainer:
             raise ConfigurationError(
                 f"GRPO compares the tries of a task, so it needs n >= 2 (got n={self.n}); raise n, or use "
                 "LocalConfig(adv_estimator='batch_baseline')")
+        self._served = self._check_policies()
         self.out_dir = Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -91,6 +99,32 @@ class Trainer:
         # One event loop for every runner of this trainer (evaluation and training): async clients
         # such as AsyncOpenAI's connection pool are bound to the loop they first ran on.
         self._loop: asyncio.Runner | None = None
+
+    def _check_policies(self) -> list[str]:
+        """The served names trained, in order; with ``policies``, the agents to train default to its keys."""
+        if self.policies is None:
+            return [self.served_name]
+        example = 'policies={"planner": "planner-lora", "solver": "solver-lora"}'
+        if not isinstance(self.policies, Mapping) or not self.policies:
+            raise ConfigurationError(f"policies must map agent names to served model names, e.g. {example}; "
+                                     f"got {self.policies!r}")
+        for agent, served in self.policies.items():
+            if not isinstance(agent, str) or not agent or not isinstance(served, str) or not served:
+                raise ConfigurationError(f"policies entry {agent!r}: {served!r} is not agent name -> served name "
+                                         f"(both non-empty strings), e.g. {example}")
+        if self.publisher is not None:
+            raise ConfigurationError("publisher= publishes one served name; with policies= the trainer makes one "
+                                     "vllm_lora publisher per served name (drop publisher=)")
+        if self.agents is None:
+            self.agents = list(self.policies)
+        elif isinstance(self.agents, str):
+            raise ConfigurationError(f"with policies=, agents must list agent names, got the pattern {self.agents!r}")
+        else:
+            missing = [a for a in self.agents if a not in self.policies]
+            if missing:
+                raise ConfigurationError(f"agent(s) {missing} have no policy; add them to policies= (agent -> served "
+                                         f"name; agents may share one) or leave them out of agents=")
+        return list(dict.fromkeys(self.policies.values()))
 
     # -- rollouts -----------------------------------------------------------------------------------
     def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
@@ -171,11 +205,21 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        backend = LocalBackend(self.model_dir, self.local, seed=self.seed)
-        publisher = self.publisher or make_publisher(
-            "vllm_lora", server_url=self.server_url, adapter_dir=self.out_dir / "adapters", served_name=self.served_name)
-        publish_and_record(publisher, self.store, backend.model, 0)
-        version = 0
+        team = self.policies is not None
+        backend = LocalBackend(self.model_dir, self.local, seed=self.seed, policies=self._served if team else None)
+        adapters = self.out_dir / "adapters"
+        publishers = {name: self.publisher or make_publisher("vllm_lora", server_url=self.server_url, served_name=name,
+                                                             adapter_dir=adapters / name if team else adapters)
+                      for name in self._served}
+
+        def weights(name: str) -> Any:
+            return backend.adapter(name) if team else backend.model
+
+        versions = dict.fromkeys(self._served, 0)
+        for name in self._served:
+            publish_and_record(publishers[name], self.store, weights(name), 0)
+        if team:
+            check_served(self.server_url, self._served)
         started = time.time()
         history: list[dict[str, Any]] = []
         result = TrainResult(history, self.metrics_path, None)
@@ -188,11 +232,30 @@ class Trainer:
             groups = self._run_groups(self.agent, batch, self.n, "train", f"rollouts step {step + 1}")
             samples, rewards, counts = self.step_batch(groups)
             line: dict[str, Any] = {"step": step + 1, **counts, "train_reward": sum(rewards) / max(1, len(rewards))}
-            if samples:
-                line.update(backend.update(samples))
-                version += 1
-                publish_and_record(publisher, self.store, backend.model, version)
-            line["policy_version"] = version
+            if team:
+                stats = SampleStats()
+                routed = route_by_policy(samples, self._served, stats)
+                line["samples_unrouted"] = stats.unrouted  # calls to a served name no policy trains
+                line["samples_off_their_policy"] = sum(  # an agent's call served under another agent's policy
+                    1 for s in samples if s.agent_name in self.policies and s.policy != self.policies[s.agent_name])
+            else:
+                routed = {self.served_name: samples}
+            per_policy: dict[str, dict[str, Any]] = {}
+            for name, found in routed.items():
+                per_policy[name] = {"samples": len(found)}
+                if found:
+                    per_policy[name].update(backend.update(found, policy=name if team else None))
+                    versions[name] += 1
+                    publish_and_record(publishers[name], self.store, weights(name), versions[name])
+                per_policy[name]["policy_version"] = versions[name]
+            if team:
+                memory = backend.memory()
+                for name in self._served:
+                    per_policy[name].update(memory["policies"][name])
+                line["policies"], line["base_mb"] = per_policy, memory["base_mb"]
+            elif samples:
+                line.update({k: v for k, v in per_policy[self.served_name].items() if k != "policy_version"})
+            line["policy_version"] = max(versions.values())
             line["time_s"] = round(time.time() - started, 1)
             self._log(history, line)
             steps.update(1)

@@ -12,8 +12,10 @@
   placement). ``use_token_rewards=True`` places ``token_rewards`` instead. Those are per-call
   *credited* values, so summing them (as outcome estimators do) counts a shared reward once per
   merged call; use them only with an estimator that reads per-token rewards;
-* non-tensor: ``uid`` (the GRPO group: ``group_id``), ``agent_name``, ``policy_version``,
-  ``rollout_id``, ``multi_modal_inputs`` (an empty dict per row: the legacy trainer iterates it);
+* non-tensor: ``uid`` (the GRPO group: ``group_id``, per policy when the samples come from several,
+  as ``group_keys`` says), ``agent_name``, ``policy`` (the served name the calls went to),
+  ``policy_version``, ``rollout_id``, ``multi_modal_inputs`` (an empty dict per row: the legacy
+  trainer iterates it);
 * ``meta_info``: ``temperature`` (mandatory for verl), ``lightning_rl_metrics`` (counts below).
 
 Length rule (counted in ``meta_info["lightning_rl_metrics"]``): a sample whose prompt is longer
@@ -21,6 +23,10 @@ than ``max_prompt_length`` is **dropped** (``dropped_long_prompt``). verl's agen
 left-truncates instead, but a cut prompt is not what the engine conditioned on, so its log-probs
 and reward would be wrong for it. A response longer than ``max_response_length`` is **truncated**
 (``truncated_response``), with its mask, log-probs and reward placement cut the same way.
+
+Teams: verl trains one model (one adapter) per job, so ``to_dataprotos(samples, policies=[...])``
+gives one batch per policy (routed by served name, ``route_by_policy``); each goes to the verl job
+(or the alternating step) that trains that policy. docs/verl.md says how.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..records import Sample
+from ..store.samples import SampleStats, group_keys, route_by_policy
 
 
 def _verl():
@@ -102,8 +109,9 @@ def to_dataproto(samples: Sequence[Sample], *, pad_token_id: int, max_prompt_len
     empty = np.empty(n, dtype=object)
     empty[:] = [{} for _ in range(n)]
     non_tensors = {
-        "uid": np.array([s.group_id or s.rollout_id or f"sample-{i}" for i, s in enumerate(kept)], dtype=object),
+        "uid": np.array(group_keys(kept), dtype=object),
         "agent_name": np.array([s.agent_name or "" for s in kept], dtype=object),
+        "policy": np.array([s.policy or "" for s in kept], dtype=object),
         "policy_version": np.array([-1 if s.policy_version is None else s.policy_version for s in kept], dtype=object),
         "rollout_id": np.array([s.rollout_id or "" for s in kept], dtype=object),
         "multi_modal_inputs": empty,
@@ -111,3 +119,15 @@ def to_dataproto(samples: Sequence[Sample], *, pad_token_id: int, max_prompt_len
     metrics["samples_out"] = n
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors,
                                meta_info={"temperature": temperature, "lightning_rl_metrics": metrics})
+
+
+def to_dataprotos(samples: Sequence[Sample], *, policies: Sequence[str], **kwargs: Any) -> dict[str, Any]:
+    """One ``DataProto`` per policy (served name) that has samples, as :func:`to_dataproto` makes it
+    (same keyword arguments). Samples served under a name not in ``policies`` are left out and
+    counted: ``samples_unrouted`` in every batch's ``lightning_rl_metrics``."""
+    stats = SampleStats()
+    routed = route_by_policy(samples, policies, stats)
+    batches = {name: to_dataproto(found, **kwargs) for name, found in routed.items() if found}
+    for batch in batches.values():
+        batch.meta_info["lightning_rl_metrics"]["samples_unrouted"] = stats.unrouted
+    return batches

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import Rollout, RolloutStatus
 from lightning_rl.trainer_bridge.failures import failure_kind
 from lightning_rl.trainer_bridge.trainer import Trainer
@@ -78,3 +79,24 @@ def test_grpo_needs_groups(tmp_path, sqlite_store):
     with pytest.raises(lrl.ConfigurationError, match="n >= 2.*batch_baseline"):
         Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused",
                 server_url="http://127.0.0.1:9", out_dir=tmp_path, n=1, progress=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policies={}), "must map agent names to served model names"),
+    (dict(policies=["planner"]), "must map agent names to served model names"),
+    (dict(policies={"planner": ""}), "is not agent name -> served name"),
+    (dict(policies={"planner": "p-lora"}, agents=["planner", "solver"]), r"agent\(s\) \['solver'\] have no policy"),
+    (dict(policies={"planner": "p-lora"}, agents="plan.*"), "must list agent names"),
+    (dict(policies={"planner": "p-lora"}, publisher=object()), "drop publisher="),
+])
+def test_bad_policies_are_refused_before_anything_runs(sqlite_store, tmp_path, kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
+                out_dir=tmp_path, **kwargs)
+    assert sqlite_store.rollouts() == []
+
+
+def test_policies_name_the_agents_trained_and_share_served_names(sqlite_store, tmp_path):
+    trainer = Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
+                      out_dir=tmp_path, policies={"planner": "team-lora", "critic": "team-lora", "solver": "s-lora"})
+    assert trainer.agents == ["planner", "critic", "solver"] and trainer._served == ["team-lora", "s-lora"]

@@ -59,3 +59,63 @@ def test_fit_two_steps(traced, vllm_url, tmp_path):
             outcomes[key] = outcomes.get(key, 0) + value
     assert outcomes.get("failed", 0) > 0  # the failing task was drawn (seed 1)
     assert outcomes["failed"] == len([r for r in failed if r.mode == "train"])
+
+
+def test_fit_a_team_with_a_policy_per_agent(traced, vllm_url, tmp_path):
+    """Two agents, each on its own LoRA of the one base model, served under their own names; a third
+    call goes to the base model, which nobody trains. Whatever the model says, every rollout makes
+    one call per name, so the counts below are exact."""
+    client = openai.AsyncOpenAI(base_url=vllm_url, api_key="EMPTY")
+    names = {"planner": "planner-lora", "solver": "solver-lora"}
+
+    @lrl.trace
+    async def team(task):
+        async def ask(model, text):
+            r = await client.chat.completions.create(model=model, max_tokens=4, temperature=1.0,
+                                                     messages=[{"role": "user", "content": text}])
+            return r.choices[0].message.content
+
+        with lrl.agent_scope("planner"):
+            plan = await ask(names["planner"], f"Plan: {task['a']}+{task['b']}")
+        with lrl.agent_scope("solver"):
+            answer = await ask(names["solver"], f"{plan} Solve: {task['a']}+{task['b']}")
+            await ask("tiny", "Check it.")  # the base model: nobody's policy
+            lrl.emit_reward(float(len(answer) % 2), agent="solver")  # the solver's own measure
+        return float(len(plan + answer) % 3 == 0)  # the team's reward
+
+    tasks = [{"a": 20 + i, "b": 30 + i} for i in range(4)]
+    trainer = Trainer(agent=team, tasks=tasks, store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                      out_dir=tmp_path, n=2, tasks_per_step=2, steps=2, policies=names, credit="team",
+                      local=LocalConfig(lr=1e-3), progress=False, seed=3)
+    try:
+        result = trainer.fit()
+    finally:
+        for name in names.values():
+            tracing._policy_versions.pop(name, None)
+    train = [json.loads(x) for x in result.metrics_path.read_text().splitlines() if "train_reward" in x]
+    assert [x["policy_version"] for x in train] == [1, 2]
+    for line in train:
+        assert line["samples_unrouted"] == 4 and line["samples_off_their_policy"] == 4  # the calls to "tiny"
+        for name in names.values():
+            policy = line["policies"][name]
+            assert policy["samples"] == 4 and policy["optimizer_steps"] >= 1
+            assert policy["engine_logprob_gap"] < 1e-3  # vLLM served each policy's own adapter
+            assert policy["adapter_mb"] > 0 and policy["optimizer_mb"] > 0
+    for name in names.values():
+        assert [p.version for p in traced.policies(name)] == [0, 1, 2]
+        assert (tmp_path / "adapters" / name / "v00002" / "adapter_model.safetensors").is_file()
+    # each call records its own served name and that policy's version
+    calls = [c for t in traced.trajectories(mode="train") for c in t.llm_calls]
+    by_name = {}
+    for c in calls:
+        by_name.setdefault(c.model, set()).add(c.policy_version)
+    assert by_name["planner-lora"] == by_name["solver-lora"] == {0, 1}
+
+
+def test_a_policy_name_the_server_does_not_serve_is_refused(vllm_url):
+    from lightning_rl.trainer_bridge.publishers import check_served
+
+    with pytest.raises(lrl.ConfigurationError, match="does not serve 'ghost-lora'.*--max-loras 1"):
+        check_served(vllm_url, ["ghost-lora"])
+    with pytest.raises(lrl.ConfigurationError, match="'tiny' is the base model's own name"):
+        check_served(vllm_url, ["tiny"])

@@ -112,3 +112,31 @@ def test_batches_concatenate_and_split_like_verl_batches():
     assert torch.equal(again.batch["input_ids"], batch.batch["input_ids"])
     assert list(again.non_tensor_batch["uid"]) == ["g0", "g1", "g0", "g1"]
     assert isinstance(batch.non_tensor_batch["uid"], np.ndarray)
+
+
+def test_a_team_gives_one_batch_per_policy_and_each_goes_through_verls_grpo():
+    def sample(group, policy, reward, agent):
+        return Sample(prompt_ids=[1, 2], response_ids=[3, 4], response_mask=[1, 1], reward=reward, group_id=group,
+                      policy=policy, agent_name=agent, rollout_id=f"{group}-{policy}-{reward}")
+
+    samples = [sample("g1", "planner-lora", 1.0, "planner"), sample("g1", "planner-lora", 0.0, "planner"),
+               sample("g1", "solver-lora", 1.0, "solver"), sample("g1", "solver-lora", 1.0, "solver"),
+               sample("g1", "tiny", 1.0, "solver")]
+    mixed = verl_bridge.to_dataproto(samples[:4], pad_token_id=PAD, max_prompt_length=3, max_response_length=3)
+    assert list(mixed.non_tensor_batch["uid"]) == ["g1|policy=planner-lora"] * 2 + ["g1|policy=solver-lora"] * 2
+    assert list(mixed.non_tensor_batch["policy"]) == ["planner-lora"] * 2 + ["solver-lora"] * 2
+    batches = verl_bridge.to_dataprotos(samples, policies=["planner-lora", "solver-lora", "critic-lora"],
+                                        pad_token_id=PAD, max_prompt_length=3, max_response_length=3)
+    assert sorted(batches) == ["planner-lora", "solver-lora"]  # a policy with no samples gets no batch
+    for name, batch in batches.items():
+        assert set(batch.non_tensor_batch["policy"]) == {name} and len(batch) == 2
+        assert batch.meta_info["lightning_rl_metrics"]["samples_unrouted"] == 1  # the call to "tiny"
+        assert list(batch.non_tensor_batch["uid"]) == ["g1", "g1"]
+    t = batches["planner-lora"].batch
+    adv, _ = core_algos.compute_grpo_outcome_advantage(t["rm_scores"], t["response_mask"].float(),
+                                                       batches["planner-lora"].non_tensor_batch["uid"])
+    assert adv[0, 0] > 0 > adv[1, 0]  # planners compared with planners
+    t = batches["solver-lora"].batch
+    adv, _ = core_algos.compute_grpo_outcome_advantage(t["rm_scores"], t["response_mask"].float(),
+                                                       batches["solver-lora"].non_tensor_batch["uid"])
+    assert torch.equal(adv, torch.zeros_like(adv))  # two equal solver tries: nothing to learn, whatever planners got

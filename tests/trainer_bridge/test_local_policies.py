@@ -1,0 +1,81 @@
+"""One base model, one LoRA adapter per policy (PEFT multi-adapter) in the local backend: each policy
+trains as a backend of its own would, leaves the others untouched, and is saved alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_rl.errors import ConfigurationError
+
+from ..conftest import ensure_tiny_model
+from .test_local_loss import _samples
+
+pytest.importorskip("peft")
+
+
+def _backend(**kw):
+    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+
+    return LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-3), seed=0, device="cpu", **kw)
+
+
+def _weights(backend, adapter: str) -> dict[str, torch.Tensor]:
+    return {n.replace(f".{adapter}.", "."): p.detach().clone() for n, p in backend.model.named_parameters()
+            if "lora_" in n and f".{adapter}." in n}
+
+
+def test_each_policy_trains_as_its_own_backend_and_leaves_the_other_alone():
+    alone, team = _backend(), _backend(policies=["planner", "solver"])
+    assert _weights(alone, "default").keys() == _weights(team, "policy0").keys()
+    solver_before = _weights(team, "policy1")
+    samples = _samples()
+    expected = alone.update(samples)
+    got = team.update(samples, policy="planner")
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert got["pg_clipfrac"] == pytest.approx(expected["pg_clipfrac"])
+    trained, reference = _weights(team, "policy0"), _weights(alone, "default")
+    assert all(torch.allclose(trained[k], reference[k], atol=1e-6) for k in reference)
+    solver_after = _weights(team, "policy1")
+    assert all(torch.equal(solver_before[k], solver_after[k]) for k in solver_before)  # not touched
+    assert all(not v.any() for k, v in solver_after.items() if "lora_B" in k)  # still the base model
+
+    memory = team.memory()
+    planner, solver = memory["policies"]["planner"], memory["policies"]["solver"]
+    assert planner["adapter_mb"] == solver["adapter_mb"] > 0
+    assert planner["optimizer_mb"] == pytest.approx(2 * planner["adapter_mb"], rel=1e-3)  # AdamW: 2 moments (+ steps)
+    assert solver["optimizer_mb"] == 0  # never stepped
+    assert memory["base_mb"] == alone.memory()["base_mb"] > 0  # the base is held once, however many policies
+
+
+def test_a_saved_policy_is_its_adapter_alone(tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    team = _backend(policies=["planner", "solver"])
+    team.update(_samples(), policy="solver")
+    team.adapter("solver").save_pretrained(tmp_path / "solver")
+    team.adapter("planner").save_pretrained(tmp_path / "planner")
+    ids = torch.tensor([[5, 17, 42, 8, 9]])
+    for policy, folder in (("solver", "solver"), ("planner", "planner")):
+        base = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
+        loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / folder)).eval()
+        team._use(policy)
+        team.model.eval()
+        with torch.no_grad():
+            assert torch.allclose(loaded(input_ids=ids).logits, team.model(input_ids=ids).logits, atol=1e-5)
+    with torch.no_grad(), team.model.disable_adapter():
+        base_logits = team.model(input_ids=ids).logits
+    team._use("planner")
+    with torch.no_grad():  # the planner never trained: its adapter is the base model (B = 0)
+        assert torch.allclose(team.model(input_ids=ids).logits, base_logits, atol=1e-6)
+
+
+def test_naming_the_policy_is_required_and_checked():
+    team = _backend(policies=["planner", "solver"])
+    with pytest.raises(ConfigurationError, match="name the one to update"):
+        team.update(_samples(8))
+    with pytest.raises(ConfigurationError, match="no adapter for policy 'critic'"):
+        team.update(_samples(8), policy="critic")
+    with pytest.raises(ConfigurationError, match="distinct served names"):
+        _backend(policies=["planner", "planner"])
