@@ -57,22 +57,26 @@ class ToolFirstClient(OpenAIChatCompletionClient):
         return super().create_stream(messages, tools=tools, tool_choice=CALCULATOR if tools else tool_choice, **kwargs)
 
 
-def client(base_url: str, *, tool_first: bool = False) -> OpenAIChatCompletionClient:
+def client(base_url: str, *, tool_first: bool = False, model: str = "tiny") -> OpenAIChatCompletionClient:
     cls = ToolFirstClient if tool_first else OpenAIChatCompletionClient
-    return cls(model="tiny", base_url=base_url, api_key="EMPTY", model_info=MODEL_INFO, max_tokens=120, temperature=0.0)
+    return cls(model=model, base_url=base_url, api_key="EMPTY", model_info=MODEL_INFO, max_tokens=120, temperature=0.0)
 
 
-def solver(base_url: str, *, stream: bool = False) -> AssistantAgent:
-    return AssistantAgent("solver", model_client=client(base_url, tool_first=True), tools=[CALCULATOR],
+def solver(base_url: str, *, stream: bool = False, model: str = "tiny") -> AssistantAgent:
+    return AssistantAgent("solver", model_client=client(base_url, tool_first=True, model=model), tools=[CALCULATOR],
                           system_message="Be exact.", model_client_stream=stream)
 
 
-def checker(base_url: str) -> AssistantAgent:
-    return AssistantAgent("checker", model_client=client(base_url), system_message="Answer with the number.")
+def checker(base_url: str, *, model: str = "tiny") -> AssistantAgent:
+    return AssistantAgent("checker", model_client=client(base_url, model=model),
+                          system_message="Answer with the number.")
 
 
-def round_robin(base_url: str, *, stream: bool = False) -> RoundRobinGroupChat:
-    return RoundRobinGroupChat([solver(base_url, stream=stream), checker(base_url)],
+def round_robin(base_url: str, *, stream: bool = False, models: dict[str, str] | None = None) -> RoundRobinGroupChat:
+    """Solver then checker; ``models`` names each agent's served model (a LoRA policy each), else the base."""
+    models = models or {}
+    return RoundRobinGroupChat([solver(base_url, stream=stream, model=models.get("solver", "tiny")),
+                                checker(base_url, model=models.get("checker", "tiny"))],
                                termination_condition=MaxMessageTermination(4))
 
 

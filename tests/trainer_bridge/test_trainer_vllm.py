@@ -119,3 +119,35 @@ def test_a_policy_name_the_server_does_not_serve_is_refused(vllm_url):
         check_served(vllm_url, ["ghost-lora"])
     with pytest.raises(lrl.ConfigurationError, match="'tiny' is the base model's own name"):
         check_served(vllm_url, ["tiny"])
+
+
+def test_a_real_autogen_team_trains_a_lora_per_agent(traced, vllm_url, tmp_path):
+    """AutoGen's RoundRobinGroupChat, each AssistantAgent on its own model client and served LoRA:
+    one fit step trains both adapters from the team's shared reward."""
+    pytest.importorskip("autogen_agentchat")
+    from ..adapters import autogen_agents as ag
+
+    names = {"solver": "solver-lora", "checker": "checker-lora"}
+
+    @lrl.trace
+    async def team(task):
+        result = await ag.round_robin(vllm_url, models=names).run(task=f"What is {task['a']}+{task['b']}?")
+        return float(str(task["a"] + task["b"]) in str(result.messages[-1].content))  # the team's reward
+
+    trainer = Trainer(agent=team, tasks=[{"a": 12, "b": 30}, {"a": 41, "b": 17}], store=traced,
+                      model_dir=ensure_tiny_model(), server_url=vllm_url, out_dir=tmp_path, n=2, tasks_per_step=2,
+                      steps=1, policies=names, credit="team", local=LocalConfig(lr=1e-3), progress=False)
+    try:
+        result = trainer.fit()
+    finally:
+        for name in names.values():
+            tracing._policy_versions.pop(name, None)
+    (line,) = [json.loads(x) for x in result.metrics_path.read_text().splitlines() if "train_reward" in x]
+    assert line["outcomes"] == {"succeeded": 4}
+    assert line["samples_unrouted"] == 0 and line["samples_off_their_policy"] == 0
+    for agent, name in names.items():
+        assert line["policies"][name]["samples"] >= 4 and line["policies"][name]["policy_version"] == 1
+        assert [p.version for p in traced.policies(name)] == [0, 1]
+    calls = [c for t in traced.trajectories(mode="train") for c in t.llm_calls]
+    assert {(c.agent_name, c.model) for c in calls} == set(names.items())  # AutoGen's names, each on its LoRA
+    assert all(c.policy_version == 0 and c.prompt_token_ids and c.response_token_ids for c in calls)
