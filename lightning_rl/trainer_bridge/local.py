@@ -147,7 +147,6 @@ class LocalBackend:
         self.model.train()
         self._optimizers = {policy: torch.optim.AdamW(self._params(name), lr=self.config.lr, weight_decay=0.0)
                             for policy, name in self._adapters.items()}
-        self.optimizer = next(iter(self._optimizers.values()))
         self.estimator = get_adv_estimator(self.config.adv_estimator)
         self.policy_loss = get_policy_loss(self.config.policy_loss)
 
