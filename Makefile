@@ -87,6 +87,7 @@ bench: venv venv-peer
 	$(PY) bench/bench_memory.py
 	$(PY) bench/bench_storage_bytes.py
 	$(PY) bench/bench_capture_cost.py
+	$(PY) bench/bench_policy_memory.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache

@@ -4,7 +4,8 @@
 A planner and a solver share the task "What is a+b?":
 
 * the **planner** (served LoRA ``planner-lora``) writes the expression to compute, as a calculator
-  call it does not run itself (``tool_choice="required"``): its plan is the call's ``expression``;
+  call it does not run itself (its reply is prefilled with ``<tool_call>``): its plan is the call's
+  ``expression``;
 * the **solver** (served LoRA ``solver-lora``) is asked "What is <plan>?" and answers with its own
   calculator call's result.
 
@@ -16,8 +17,9 @@ given. ``Trainer(policies=...)`` trains both adapters of the one base model (PEF
 hot-loads each into vLLM under its own name. ``--shared`` runs the same team on one shared policy
 (both agents call ``team-lora``), same budget and seeds.
 
-Prints held-out team success and each agent's measure before and after, draws one curve per agent
-(``team.png``), and ends with one JSON line.
+Prints held-out team success (greedy) before and after, each agent's measure on the first and last
+two training steps (tasks those steps had not seen, sampled at the training temperature) and on the
+held-out tasks, draws one curve per agent (``team.png``), and ends with one JSON line.
 
 Run: make demo-team     (or .venv/bin/python examples/team_rl/train.py --steps 20 [--shared])
 """
@@ -50,16 +52,34 @@ from word_problems import calculator  # noqa: E402
 AGENTS = ("planner", "solver")
 
 
-async def _ask(client: openai.AsyncOpenAI, model: str, question: str, temperature: float, seed: int,
-               tool_choice: str = "auto") -> tuple[Any, str]:
-    """The agent's calculator call and its expression, or None and the text it answered instead."""
+async def _plan(client: openai.AsyncOpenAI, model: str, question: str, temperature: float, seed: int) -> str:
+    """The planner's plan: the expression of the calculator call it writes ("" if it writes no valid call).
+
+    Its reply is prefilled with ``<tool_call>`` (vLLM's ``continue_final_message``), so it always writes a
+    call, in the format the model was warm-started on, with no guided decoding: ``tool_choice="required"``
+    samples under a grammar mask, whose log-probs the trainer cannot reproduce, and a format the model
+    never saw."""
+    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": question},
+                {"role": "assistant", "content": "<tool_call>"}]
+    prefill = {"continue_final_message": True, "add_generation_prompt": False}
+    r = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
+                                             temperature=temperature, max_tokens=64, seed=seed, extra_body=prefill)
+    text = r.choices[0].message.content or ""
+    try:
+        return str(json.loads(text.split("</tool_call>")[0])["arguments"]["expression"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+async def _solve(client: openai.AsyncOpenAI, model: str, question: str, temperature: float,
+                 seed: int) -> tuple[Any, str]:
+    """The solver's calculator call and its expression, or None and "" when it answers without the tool."""
     messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": question}]
     r = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
-                                             tool_choice=tool_choice, temperature=temperature, max_tokens=64,
-                                             seed=seed)
+                                             temperature=temperature, max_tokens=64, seed=seed)
     message = r.choices[0].message
     if not message.tool_calls:
-        return None, message.content or ""
+        return None, ""
     call = message.tool_calls[0]
     try:
         expression = str(json.loads(call.function.arguments).get("expression", ""))
@@ -77,10 +97,9 @@ def make_team(client: openai.AsyncOpenAI, names: dict[str, str], temperature: fl
         seed &= 0x7FFFFFFF
         target = str(task["a"] + task["b"])
         with lrl.agent_scope("planner"):
-            call, plan = await _ask(client, names["planner"], f"What is {task['a']}+{task['b']}?", temperature, seed,
-                                    tool_choice="required")  # a plan is always an expression
+            plan = await _plan(client, names["planner"], f"What is {task['a']}+{task['b']}?", temperature, seed)
         with lrl.agent_scope("solver"):
-            call, expression = await _ask(client, names["solver"], f"What is {plan}?", temperature, seed + 1)
+            call, expression = await _solve(client, names["solver"], f"What is {plan}?", temperature, seed + 1)
             answer = ""
             if call is not None:
                 with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
@@ -126,9 +145,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="tries per task (GRPO group size)")
     parser.add_argument("--tasks-per-step", type=int, default=8)
     parser.add_argument("--eval-tasks", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="sampling temperature of training rollouts (the trainer's log-probs use it too)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="the solver's learning rate (the shared policy's)")
+    parser.add_argument("--planner-lr", type=float, default=1e-4,
+                        help="the planner's (per-agent policies only): its signal is weak while the solver is")
+    parser.add_argument("--temperature", type=float, default=0.6,
+                        help="sampling temperature of training rollouts (the trainer's log-probs use it too); at "
+                             "1.0 the tiny model's team succeeds in about 3 tries of 100, too few to learn from")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
     parser.add_argument("--out", default=None, help="default: .cache/demo-team (or demo-team-shared)")
@@ -156,7 +178,9 @@ def main() -> None:
             model_dir=args.model_dir, server_url=server.url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps,
             eval_tasks=held_out, eval_n=1, eval_agent=make_team(client, names, 0.0, log), policies=names,
-            credit="team", local=LocalConfig(lr=args.lr, temperature=args.temperature), seed=args.seed,
+            credit="team", seed=args.seed,
+            local=LocalConfig(lr=args.lr, temperature=args.temperature,
+                              policy_lr={} if args.shared else {names["planner"]: args.planner_lr}),
         )
         result = trainer.fit()
     minutes = (time.time() - started) / 60
@@ -167,11 +191,16 @@ def main() -> None:
     curves = [{"step": i + 1, **{k: _rate(train[i * per_step:(i + 1) * per_step], k) for k in (*AGENTS, "team")}}
               for i in range(len(train) // per_step)]
     plot = plot_agents(curves, out / "team.png")
-    agents = {a: {"before": _rate(before, a), "after": _rate(after, a)} for a in AGENTS}
+    first, last = train[:2 * per_step], train[-2 * per_step:]  # two steps of fresh tasks each, sampled
+    agents = {a: {"before": _rate(first, a), "after": _rate(last, a), "held_out_before": _rate(before, a),
+                  "held_out_after": _rate(after, a)} for a in AGENTS}
     print(f"\nheld-out team success: {result.eval_before:.2f} before -> {result.eval_after:.2f} after {args.steps} "
           f"steps ({minutes:.1f} min, {'one shared policy' if args.shared else 'a policy per agent'})")
+    print("each agent's measure, first -> last two training steps (sampled), and held-out (greedy):")
     for a in AGENTS:
-        print(f"  {a}: {agents[a]['before']:.2f} -> {agents[a]['after']:.2f}")
+        m = agents[a]
+        print(f"  {a}: {m['before']:.2f} -> {m['after']:.2f}   held-out {m['held_out_before']:.2f} -> "
+              f"{m['held_out_after']:.2f}")
     print(f"per-agent curves: {plot}; reward plot: {result.plot_path}; metrics: {result.metrics_path}")
     print(json.dumps({
         "policies": "shared" if args.shared else "per_agent",

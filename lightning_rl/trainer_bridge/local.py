@@ -42,6 +42,8 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 @dataclass
 class LocalConfig:
     lr: float = 2e-4
+    # learning rate per policy (served name), for a team whose agents learn at different speeds; others use lr
+    policy_lr: dict[str, float] = field(default_factory=dict)
     lora_rank: int = 16
     lora_alpha: int = 32
     target_modules: tuple[str, ...] = TARGET_MODULES
@@ -145,8 +147,20 @@ class LocalBackend:
             self.model.add_adapter(name, lora)
         self.model = self.model.to(self.device)
         self.model.train()
-        self._optimizers = {policy: torch.optim.AdamW(self._params(name), lr=self.config.lr, weight_decay=0.0)
-                            for policy, name in self._adapters.items()}
+        if not isinstance(self.config.policy_lr, dict):
+            raise ConfigurationError(f"LocalConfig.policy_lr must map served names to learning rates, got "
+                                     f"{self.config.policy_lr!r}; for one rate for all policies use lr=")
+        unknown = set(self.config.policy_lr) - {p for p in self._adapters if p is not None}
+        bad = {k: v for k, v in self.config.policy_lr.items() if not (isinstance(v, (int, float)) and v > 0)}
+        if unknown or bad:
+            raise ConfigurationError(
+                f"LocalConfig.policy_lr names policies this backend does not hold ({sorted(unknown)}) or has rates "
+                f"that are not positive numbers ({bad}); its keys are served names from policies= "
+                f"({[p for p in self._adapters if p is not None]}), its values learning rates such as 1e-4")
+        self._optimizers = {
+            policy: torch.optim.AdamW(self._params(name), lr=self.config.policy_lr.get(policy, self.config.lr),
+                                      weight_decay=0.0)
+            for policy, name in self._adapters.items()}
         self.estimator = get_adv_estimator(self.config.adv_estimator)
         self.policy_loss = get_policy_loss(self.config.policy_loss)
 
@@ -263,6 +277,7 @@ class LocalBackend:
         stats.update({
             "samples": float(n),
             "optimizer_steps": float(steps),
+            "lr": float(optimizer.param_groups[0]["lr"]),
             "reward_mean": rewards.mean().item(),
             "advantage_abs_mean": masked_mean(advantages.abs(), mask).item(),
             "response_tokens_mean": batch.response_valid.sum(-1).mean().item(),

@@ -48,6 +48,33 @@ def test_each_policy_trains_as_its_own_backend_and_leaves_the_other_alone():
     assert memory["base_mb"] == alone.memory()["base_mb"] > 0  # the base is held once, however many policies
 
 
+def test_a_policy_with_its_own_learning_rate_trains_as_a_backend_with_that_rate():
+    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+
+    alone = LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-4), seed=0, device="cpu")
+    team = LocalBackend(
+        ensure_tiny_model(), LocalConfig(lr=5e-3, policy_lr={"planner": 5e-4}), seed=0, device="cpu",
+        policies=["planner", "solver"])
+    samples = _samples()
+    expected = alone.update(samples)
+    planner = team.update(samples, policy="planner")
+    assert planner["lr"] == expected["lr"] == 5e-4 and team.update(samples, policy="solver")["lr"] == 5e-3
+    assert planner["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    trained, reference = _weights(team, "policy0"), _weights(alone, "default")
+    assert all(torch.allclose(trained[k], reference[k], atol=1e-6) for k in reference)
+
+
+@pytest.mark.parametrize("policy_lr, named", [({"critic": 1e-4}, "critic"), ({"solver": 0}, "'solver': 0"),
+                                              ({"solver": "fast"}, "fast"), (1e-4, "0.0001")])
+def test_a_learning_rate_for_an_unknown_policy_or_not_a_rate_is_refused(policy_lr, named):
+    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+
+    with pytest.raises(ConfigurationError, match="policy_lr") as info:
+        LocalBackend(ensure_tiny_model(), LocalConfig(policy_lr=policy_lr), seed=0, device="cpu",
+                     policies=["planner", "solver"])
+    assert named in str(info.value) and "served names" in str(info.value)
+
+
 def test_a_saved_policy_is_its_adapter_alone(tmp_path):
     import peft
     from transformers import AutoModelForCausalLM
