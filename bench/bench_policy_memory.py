@@ -9,10 +9,10 @@ process does the same work), and reports its peak RSS. The baseline,
 measured in the same run, is the process with one policy: ``base`` is its peak RSS less one
 adapter's footprint (weights, gradients and AdamW's two moments: 4x the adapter's parameters), and
 the bound for N policies is ``1.1 x (base + N x footprint)``. It also prints what each policy past
-the first adds to the peak RSS, to compare with its footprint. Each N runs twice: with glibc's default
-allocator settings, and with ``MALLOC_MMAP_THRESHOLD_=65536`` (large blocks mapped on their own and
-returned when freed), since the heap's retention of freed activations is what grows with N. The last
-line is JSON.
+the first adds to the peak RSS, to compare with its footprint, and the seconds per update. Each N runs
+twice: with glibc's default allocator settings (``LocalConfig(malloc_mmap_threshold=None)``, the
+default), and with 65536 (blocks from 64 KiB up mapped on their own and returned when freed), since
+the heap's retention of freed activations is what grows with N. The last line is JSON.
 
 Run: .venv/bin/python bench/bench_policy_memory.py [--policies 1 2 4 8] [--hidden 512 --layers 8]
 """
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MMAP_THRESHOLD = 65536  # glibc: allocations from 64 KiB up get their own mapping, returned to the OS when freed
 
 
 def peak_rss_mb() -> float:
@@ -53,7 +52,7 @@ def make_model(out: Path, hidden: int, layers: int) -> None:
             shutil.copy(tiny / name, out / name)
 
 
-def one_process(model_dir: str, n: int, updates: int) -> dict:
+def one_process(model_dir: str, n: int, updates: int, threshold: int | None) -> dict:
     """Runs in the child: N policies, ``updates`` updates taking the policies in turn (every process does
     the same work, so the peak differs only by what the policies hold), peak RSS and the backend's own
     byte counts."""
@@ -67,13 +66,17 @@ def one_process(model_dir: str, n: int, updates: int) -> dict:
                       response_ids=[rng.randrange(5, 90) for _ in range(32)], response_mask=[1] * 32,
                       reward=float(i % 2), group_id=f"g{i // 4}", rollout_id=f"r{i}") for i in range(16)]
     names = [f"policy-{i}" for i in range(n)]
-    backend = LocalBackend(model_dir, LocalConfig(lr=1e-4), seed=0, device="cpu", policies=names)
+    config = LocalConfig(lr=1e-4, malloc_mmap_threshold=threshold)
+    backend = LocalBackend(model_dir, config, seed=0, device="cpu", policies=names)
+    started = time.perf_counter()
     for i in range(updates):
         backend.update(samples, policy=names[i % n])
+    seconds = (time.perf_counter() - started) / updates
     memory = backend.memory()
     adapter_mb = memory["policies"][names[0]]["adapter_mb"]
     return {"policies": n, "peak_rss_mb": round(peak_rss_mb(), 1), "base_mb": round(memory["base_mb"], 2),
-            "adapter_mb": round(adapter_mb, 3), "footprint_mb": round(4 * adapter_mb, 3)}
+            "adapter_mb": round(adapter_mb, 3), "footprint_mb": round(4 * adapter_mb, 3),
+            "seconds_per_update": round(seconds, 3)}
 
 
 def main() -> None:
@@ -81,20 +84,21 @@ def main() -> None:
     parser.add_argument("--policies", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--child", nargs=3, metavar=("MODEL_DIR", "N", "UPDATES"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "N", "UPDATES", "THRESHOLD"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     counts = sorted(set([1, *args.policies]))
     if args.child:
-        print(json.dumps(one_process(args.child[0], int(args.child[1]), int(args.child[2]))))
+        threshold = None if args.child[3] == "none" else int(args.child[3])
+        print(json.dumps(one_process(args.child[0], int(args.child[1]), int(args.child[2]), threshold)))
         return
     out = {}
     with tempfile.TemporaryDirectory(prefix="lrl-policy-mem-") as tmp:
         make_model(Path(tmp), args.hidden, args.layers)
         child = [sys.executable, __file__, "--child", tmp]
-        for allocator, extra_env in (("glibc default", {}), (f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}",
-                                                               {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})):
-            env = {**os.environ, **extra_env}
-            rows = [json.loads(subprocess.run([*child, str(n), str(counts[-1])], check=True, env=env,
+        for allocator, threshold in (("glibc's defaults (malloc_mmap_threshold=None, the default)", "none"),
+                                     ("malloc_mmap_threshold=65536", "65536")):
+            rows = [json.loads(subprocess.run([*child, str(n), str(counts[-1]), threshold], check=True,
                                               capture_output=True, text=True).stdout.splitlines()[-1])
                     for n in counts]
             out[allocator] = report(allocator, rows, args)
@@ -106,14 +110,15 @@ def report(allocator: str, rows: list[dict], args: argparse.Namespace) -> dict:
     base = one["peak_rss_mb"] - one["footprint_mb"]
     print(f"\n{allocator}: model hidden {args.hidden}, {args.layers} layers, weights {one['base_mb']:.1f} MB; one "
           f"adapter {one['adapter_mb']:.2f} MB, with gradients and AdamW moments {one['footprint_mb']:.2f} MB")
-    print(f"{'policies':>8} {'peak RSS MB':>12} {'bound MB':>10} {'within':>7} {'MB per extra policy':>20}")
+    print(f"{'policies':>8} {'peak RSS MB':>12} {'bound MB':>10} {'within':>7} {'MB per extra policy':>20} "
+          f"{'s per update':>13}")
     for row in rows:
         row["bound_mb"] = round(1.1 * (base + row["policies"] * row["footprint_mb"]), 1)
         row["within"] = row["peak_rss_mb"] <= row["bound_mb"]
         extra = row["policies"] - 1
         row["mb_per_extra_policy"] = round((row["peak_rss_mb"] - one["peak_rss_mb"]) / extra, 2) if extra else None
         print(f"{row['policies']:>8} {row['peak_rss_mb']:>12.1f} {row['bound_mb']:>10.1f} {str(row['within']):>7} "
-              f"{row['mb_per_extra_policy'] if extra else '-':>20}")
+              f"{row['mb_per_extra_policy'] if extra else '-':>20} {row['seconds_per_update']:>13.3f}")
     return {"base_rss_mb": round(base, 1), "rows": rows, "all_within": all(r["within"] for r in rows)}
 
 

@@ -22,7 +22,9 @@ optional KL to the base model (the adapter disabled) is added.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +63,30 @@ class LocalConfig:
     temperature: float = 1.0  # the sampling temperature: the engine's processed log-probs include it
     max_grad_norm: float = 1.0
     dtype: str = "float32"  # "bfloat16" on a GPU
+    # glibc (Linux): blocks from this many bytes up are mapped on their own and returned to the system when
+    # freed; set for the whole process. With glibc's default (a threshold that grows as blocks are freed) the
+    # heap keeps freed activations: each policy past the first added ~8x its footprint to the peak RSS, and
+    # 65536 brings that to ~1x and a third off one policy's peak, at ~25% slower CPU updates
+    # (bench/bench_policy_memory.py). None (default) leaves the allocator as it is.
+    malloc_mmap_threshold: int | None = None
     adv_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def set_malloc_mmap_threshold(size: int | None) -> bool:
+    """glibc's ``mallopt(M_MMAP_THRESHOLD, size)`` for this process (what ``MALLOC_MMAP_THRESHOLD_``
+    sets at start-up); False where there is no glibc, or ``size`` is None."""
+    if size is None:
+        return False
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigurationError(f"LocalConfig.malloc_mmap_threshold must be a number of bytes >= 0 or None, "
+                                 f"got {size!r}; 65536 for a trainer holding several policies")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(-3, size))  # -3: M_MMAP_THRESHOLD; returns 1 on success, 0 where not supported
 
 
 @dataclass
@@ -124,6 +149,7 @@ class LocalBackend:
         except ImportError as exc:
             raise ImportError("the local trainer needs peft: pip install 'lightning-rl[local]'") from exc
         self.config = config or LocalConfig()
+        set_malloc_mmap_threshold(self.config.malloc_mmap_threshold)
         self._seed = seed
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -106,3 +106,21 @@ def test_naming_the_policy_is_required_and_checked():
         team.update(_samples(8), policy="critic")
     with pytest.raises(ConfigurationError, match="distinct served names"):
         _backend(policies=["planner", "planner"])
+
+
+def test_the_allocator_threshold_is_set_where_glibc_is_and_bad_values_are_refused():
+    import platform
+    import subprocess
+    import sys
+
+    from lightning_rl.trainer_bridge.local import set_malloc_mmap_threshold
+
+    assert set_malloc_mmap_threshold(None) is False  # None: the allocator is left alone
+    if platform.libc_ver()[0] == "glibc":  # in a process of its own: the setting is process-wide
+        code = "from lightning_rl.trainer_bridge.local import set_malloc_mmap_threshold as s; print(s(65536))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == "True"
+    for bad in (-1, "64k", True):
+        with pytest.raises(ConfigurationError, match="malloc_mmap_threshold") as info:
+            set_malloc_mmap_threshold(bad)
+        assert repr(bad) in str(info.value) and "65536" in str(info.value)
