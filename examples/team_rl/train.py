@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=40)
     parser.add_argument("--lr", type=float, default=1e-3, help="the solver's learning rate (the shared policy's)")
     parser.add_argument("--planner-lr", type=float, default=1e-4,
-                        help="the planner's (per-agent policies only): its signal is weak while the solver is")
+                        help="the planner's (per-agent policies only): its reward signal is mostly noise until "
+                             "the solver calls its tool")
     parser.add_argument("--temperature", type=float, default=0.6,
                         help="sampling temperature of training rollouts (the trainer's log-probs use it too); at "
                              "1.0 the tiny model's team succeeds in about 3 tries of 100, too few to learn from")

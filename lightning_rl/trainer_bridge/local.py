@@ -180,8 +180,8 @@ class LocalBackend:
         bad = {k: v for k, v in self.config.policy_lr.items() if not (isinstance(v, (int, float)) and v > 0)}
         if unknown or bad:
             raise ConfigurationError(
-                f"LocalConfig.policy_lr names policies this backend does not hold ({sorted(unknown)}) or has rates "
-                f"that are not positive numbers ({bad}); its keys are served names from policies= "
+                f"LocalConfig.policy_lr names policies this backend does not hold ({sorted(unknown, key=repr)}) or "
+                f"has rates that are not positive numbers ({bad}); its keys are served names from policies= "
                 f"({[p for p in self._adapters if p is not None]}), its values learning rates such as 1e-4")
         self._optimizers = {
             policy: torch.optim.AdamW(self._params(name), lr=self.config.policy_lr.get(policy, self.config.lr),
