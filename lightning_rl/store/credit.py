@@ -161,6 +161,8 @@ def _split(rewards: Sequence[Reward], n_calls: int, name: str,
             index = own
         if 0 <= index < n_calls:
             steps[index] += r.value
+        elif n_calls:  # a call index this rollout does not have (given by hand): no call to land on
+            count("step_rewards_beyond_calls")
     return team, per_agent, steps
 
 

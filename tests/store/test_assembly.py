@@ -255,3 +255,15 @@ def test_route_by_policy_wants_names():
     with pytest.raises(lrl.ConfigurationError, match="non-empty collection of served model names"):
         route_by_policy([], "planner")
     assert route_by_policy([], ["a"], SampleStats()) == {"a": []}
+
+
+def test_a_step_reward_for_a_call_the_rollout_does_not_have_is_counted_not_lost_silently():
+    """``add_reward(..., llm_call_index=7)`` on a rollout of 3 calls has no call to land on: it is left out
+    of the credit, and counted (``step_rewards_beyond_calls``), as an agent's reward without calls is."""
+    rewards = [R(1.0, source=RewardSource.RETURNED),
+               Reward(rollout_id="r1", value=0.5, llm_call_index=7, source="emitted"),
+               Reward(rollout_id="r1", value=0.25, llm_call_index=1, source="emitted")]
+    s = _team_store(rewards)
+    before = lrl.stats().get("step_rewards_beyond_calls", 0)
+    assert [c.reward for c in s.trajectory("r1", credit="team").llm_calls] == [1.0, 1.25, 1.0]
+    assert lrl.stats().get("step_rewards_beyond_calls", 0) == before + 1
