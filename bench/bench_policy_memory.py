@@ -10,11 +10,13 @@ measured in the same run, is the process with one policy: ``base`` is its peak R
 adapter's footprint (weights, gradients and AdamW's two moments: 4x the adapter's parameters), and
 the bound for N policies is ``1.1 x (base + N x footprint)``. It also prints what each policy past
 the first adds to the peak RSS, to compare with its footprint, and the seconds per update. Each N runs
-twice: with glibc's default allocator settings (``LocalConfig(malloc_mmap_threshold=None)``, the
-default), and with 65536 (blocks from 64 KiB up mapped on their own and returned when freed), since
-the heap's retention of freed activations is what grows with N. The last line is JSON.
+once per allocator setting (``--allocators``), since the heap's retention of freed activations is what
+grows with N: glibc's defaults (``LocalConfig(malloc_trim=False)``), the heap's free pages handed back
+after each update (``malloc_trim=True``; the default, None, turns it on with several policies), and blocks from 64 KiB up mapped on their own
+(``malloc_mmap_threshold=65536``). The last line is JSON.
 
 Run: .venv/bin/python bench/bench_policy_memory.py [--policies 1 2 4 8] [--hidden 512 --layers 8]
+     [--allocators none trim 65536]
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def make_model(out: Path, hidden: int, layers: int) -> None:
             shutil.copy(tiny / name, out / name)
 
 
-def one_process(model_dir: str, n: int, updates: int, threshold: int | None) -> dict:
+def one_process(model_dir: str, n: int, updates: int, threshold: int | None, trim: bool) -> dict:
     """Runs in the child: N policies, ``updates`` updates taking the policies in turn (every process does
     the same work, so the peak differs only by what the policies hold), peak RSS and the backend's own
     byte counts."""
@@ -66,7 +68,7 @@ def one_process(model_dir: str, n: int, updates: int, threshold: int | None) -> 
                       response_ids=[rng.randrange(5, 90) for _ in range(32)], response_mask=[1] * 32,
                       reward=float(i % 2), group_id=f"g{i // 4}", rollout_id=f"r{i}") for i in range(16)]
     names = [f"policy-{i}" for i in range(n)]
-    config = LocalConfig(lr=1e-4, malloc_mmap_threshold=threshold)
+    config = LocalConfig(lr=1e-4, malloc_mmap_threshold=threshold, malloc_trim=trim)
     backend = LocalBackend(model_dir, config, seed=0, device="cpu", policies=names)
     started = time.perf_counter()
     for i in range(updates):
@@ -84,20 +86,27 @@ def main() -> None:
     parser.add_argument("--policies", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--allocators", nargs="+", default=["none", "trim", "65536"],
+                        help="none: glibc's defaults; trim: malloc_trim after each update (the default with several "
+                             "policies); a number: "
+                             "malloc_mmap_threshold in bytes")
     parser.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "N", "UPDATES", "THRESHOLD"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     counts = sorted(set([1, *args.policies]))
     if args.child:
-        threshold = None if args.child[3] == "none" else int(args.child[3])
-        print(json.dumps(one_process(args.child[0], int(args.child[1]), int(args.child[2]), threshold)))
+        spec = args.child[3]
+        threshold = None if spec in ("none", "trim") else int(spec)  # trim: on even with one policy, the baseline
+        print(json.dumps(one_process(args.child[0], int(args.child[1]), int(args.child[2]), threshold, spec == "trim")))
         return
     out = {}
     with tempfile.TemporaryDirectory(prefix="lrl-policy-mem-") as tmp:
         make_model(Path(tmp), args.hidden, args.layers)
         child = [sys.executable, __file__, "--child", tmp]
-        for allocator, threshold in (("glibc's defaults (malloc_mmap_threshold=None, the default)", "none"),
-                                     ("malloc_mmap_threshold=65536", "65536")):
+        for threshold in args.allocators:
+            allocator = {"none": "glibc's defaults (malloc_trim=False)",
+                         "trim": "malloc_trim after each update (malloc_trim=True; the default with 2+ policies)"}.get(
+                threshold, f"malloc_mmap_threshold={threshold} (malloc_trim=False)")
             rows = [json.loads(subprocess.run([*child, str(n), str(counts[-1]), threshold], check=True,
                                               capture_output=True, text=True).stdout.splitlines()[-1])
                     for n in counts]

@@ -26,7 +26,7 @@ import ctypes
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,9 @@ class LocalConfig:
     lr: float = 2e-4
     # learning rate per policy (served name), for a team whose agents learn at different speeds; others use lr
     policy_lr: dict[str, float] = field(default_factory=dict)
+    # any training field per policy (served name -> {field: value}, fields in POLICY_FIELDS), for agents whose
+    # samples differ in number or noise: {"planner-lora": {"lr": 1e-4, "mini_batch_size": 64}}; others use these
+    policy_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     lora_rank: int = 16
     lora_alpha: int = 32
     target_modules: tuple[str, ...] = TARGET_MODULES
@@ -63,13 +66,73 @@ class LocalConfig:
     temperature: float = 1.0  # the sampling temperature: the engine's processed log-probs include it
     max_grad_norm: float = 1.0
     dtype: str = "float32"  # "bfloat16" on a GPU
+    # glibc (Linux): after each update, hand the heap's freed memory back to the system (malloc_trim).
+    # Without it, the heap kept the freed activations of every policy's updates: each policy past the first
+    # added ~8x its footprint to the peak RSS; with it the peak stays flat in N, at ~15% slower CPU updates
+    # (bench/bench_policy_memory.py). None (default): on when the backend holds several policies.
+    malloc_trim: bool | None = None
     # glibc (Linux): blocks from this many bytes up are mapped on their own and returned to the system when
-    # freed; set for the whole process. With glibc's default (a threshold that grows as blocks are freed) the
-    # heap keeps freed activations: each policy past the first added ~8x its footprint to the peak RSS, and
-    # 65536 brings that to ~1x and a third off one policy's peak, at ~25% slower CPU updates
-    # (bench/bench_policy_memory.py). None (default) leaves the allocator as it is.
+    # freed; set for the whole process. 65536 takes a third off one policy's peak RSS, but CPU updates took
+    # 1.25x-1.9x as long. None (default) leaves the allocator as it is.
     malloc_mmap_threshold: int | None = None
     adv_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# The LocalConfig fields a policy may set for itself (policy_config): what one update reads. The model's
+# shape (LoRA rank, target modules, dtype) and the process's allocator are shared by all policies.
+POLICY_FIELDS = ("lr", "adv_estimator", "policy_loss", "loss_agg_mode", "clip_ratio", "kl_coef", "kl_kind",
+                 "ppo_epochs", "mini_batch_size", "micro_batch_size", "rollout_is", "rollout_is_threshold",
+                 "temperature", "max_grad_norm", "adv_kwargs")
+
+
+def policy_configs(config: LocalConfig, policies: Sequence[str | None]) -> dict[str | None, LocalConfig]:
+    """Each policy's own LocalConfig: ``config`` with its ``policy_lr`` and ``policy_config`` entries applied.
+    Unknown served names, fields outside POLICY_FIELDS, rates that are not positive numbers, or a rate given
+    both ways, differently: ConfigurationError naming them."""
+    named = [p for p in policies if p is not None]
+    for attr in ("policy_lr", "policy_config"):
+        value = getattr(config, attr)
+        if not isinstance(value, dict):
+            raise ConfigurationError(f"LocalConfig.{attr} must map served names to "
+                                     f"{'learning rates' if attr == 'policy_lr' else 'dicts of fields'}, got "
+                                     f"{value!r}; for one value for all policies set the field itself (lr=...)")
+        unknown = set(value) - set(named)
+        if unknown:
+            raise ConfigurationError(f"LocalConfig.{attr} names policies this backend does not hold "
+                                     f"({sorted(unknown, key=repr)}); its keys are served names from policies= "
+                                     f"({named})")
+    out: dict[str | None, LocalConfig] = {}
+    for policy in policies:
+        own = config.policy_config.get(policy, {})
+        if not isinstance(own, dict) or set(own) - set(POLICY_FIELDS):
+            bad = sorted(set(own) - set(POLICY_FIELDS)) if isinstance(own, dict) else own
+            raise ConfigurationError(f"LocalConfig.policy_config[{policy!r}] sets {bad!r}, which a policy cannot "
+                                     f"set for itself; it may set {', '.join(POLICY_FIELDS)}")
+        if policy in config.policy_lr:
+            if "lr" in own and own["lr"] != config.policy_lr[policy]:
+                raise ConfigurationError(f"policy {policy!r} has two learning rates: policy_lr "
+                                         f"{config.policy_lr[policy]!r} and policy_config lr {own['lr']!r}; give one")
+            own = {**own, "lr": config.policy_lr[policy]}
+        lr = own.get("lr", config.lr)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            where = "policy_lr" if policy in config.policy_lr else "policy_config" if "lr" in own else "lr"
+            raise ConfigurationError(f"LocalConfig.{where} has a rate that is not a positive number for policy "
+                                     f"{policy!r}: {lr!r}; its keys are served names, its values learning "
+                                     f"rates such as 1e-4")
+        out[policy] = replace(config, **own)
+    return out
+
+
+def release_freed_memory() -> bool:
+    """glibc's ``malloc_trim(0)``: the heap's free pages go back to the system (False where there is no
+    glibc, or nothing was released)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
 
 
 def set_malloc_mmap_threshold(size: int | None) -> bool:
@@ -173,22 +236,13 @@ class LocalBackend:
             self.model.add_adapter(name, lora)
         self.model = self.model.to(self.device)
         self.model.train()
-        if not isinstance(self.config.policy_lr, dict):
-            raise ConfigurationError(f"LocalConfig.policy_lr must map served names to learning rates, got "
-                                     f"{self.config.policy_lr!r}; for one rate for all policies use lr=")
-        unknown = set(self.config.policy_lr) - {p for p in self._adapters if p is not None}
-        bad = {k: v for k, v in self.config.policy_lr.items() if not (isinstance(v, (int, float)) and v > 0)}
-        if unknown or bad:
-            raise ConfigurationError(
-                f"LocalConfig.policy_lr names policies this backend does not hold ({sorted(unknown, key=repr)}) or "
-                f"has rates that are not positive numbers ({bad}); its keys are served names from policies= "
-                f"({[p for p in self._adapters if p is not None]}), its values learning rates such as 1e-4")
+        self._configs = policy_configs(self.config, list(self._adapters))
         self._optimizers = {
-            policy: torch.optim.AdamW(self._params(name), lr=self.config.policy_lr.get(policy, self.config.lr),
-                                      weight_decay=0.0)
+            policy: torch.optim.AdamW(self._params(name), lr=self._configs[policy].lr, weight_decay=0.0)
             for policy, name in self._adapters.items()}
-        self.estimator = get_adv_estimator(self.config.adv_estimator)
-        self.policy_loss = get_policy_loss(self.config.policy_loss)
+        for cfg in self._configs.values():  # an unknown estimator or loss fails here, before any rollout
+            get_adv_estimator(cfg.adv_estimator)
+            get_policy_loss(cfg.policy_loss)
 
     @property
     def policies(self) -> list[str | None]:
@@ -224,11 +278,12 @@ class LocalBackend:
             out["policies"][str(policy)] = {"adapter_mb": adapter / 2**20, "optimizer_mb": optimizer / 2**20}
         return out
 
-    def response_logprobs(self, batch: Batch, rows: slice) -> torch.Tensor:
-        """[b, R] log-probs of the response tokens of ``batch[rows]`` under the current model."""
+    def response_logprobs(self, batch: Batch, rows: slice, temperature: float | None = None) -> torch.Tensor:
+        """[b, R] log-probs of the response tokens of ``batch[rows]`` under the current model (the active
+        adapter), at ``temperature`` (default: the config's)."""
         ids = batch.input_ids[rows].to(self.device)
         mask = batch.attention_mask[rows].to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask).logits / self.config.temperature
+        logits = self.model(input_ids=ids, attention_mask=mask).logits / (temperature or self.config.temperature)
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         width = batch.response_mask.shape[1]
         out = torch.zeros((ids.shape[0], width), device=self.device)
@@ -237,17 +292,25 @@ class LocalBackend:
             out[i, :length] = logp[i, start - 1: start - 1 + length]
         return out
 
-    def _all_logprobs(self, batch: Batch) -> torch.Tensor:
-        step = self.config.micro_batch_size
-        return torch.cat([self.response_logprobs(batch, slice(i, i + step)) for i in range(0, len(batch.index), step)])
+    def _all_logprobs(self, batch: Batch, cfg: LocalConfig) -> torch.Tensor:
+        step = cfg.micro_batch_size
+        return torch.cat([self.response_logprobs(batch, slice(i, i + step), cfg.temperature)
+                          for i in range(0, len(batch.index), step)])
 
     def update(self, samples: list[Sample], policy: str | None = None) -> dict[str, float]:
-        """One batch of updates to ``policy``'s adapter (the only one, when the backend holds one)."""
-        cfg = self.config
+        """One batch of updates to ``policy``'s adapter (the only one, when the backend holds one), with
+        that policy's config (``LocalConfig`` with its ``policy_lr``/``policy_config`` entries)."""
         if policy is None and len(self._adapters) > 1:
             raise ConfigurationError(f"this backend holds {len(self._adapters)} policies; name the one to update "
                                      f"(update(samples, policy=...), one of {self.policies})")
         self._use(policy)
+        stats = self._update(samples, policy, self._configs[policy])
+        trim = self.config.malloc_trim
+        if trim or (trim is None and len(self._adapters) > 1):  # the update's activations are freed now
+            release_freed_memory()
+        return stats
+
+    def _update(self, samples: list[Sample], policy: str | None, cfg: LocalConfig) -> dict[str, float]:
         optimizer = self._optimizers[policy]
         if cfg.mini_batch_size < 1 or cfg.micro_batch_size < 1 or cfg.ppo_epochs < 1:
             raise ConfigurationError(f"mini_batch_size, micro_batch_size and ppo_epochs must be >= 1, got "
@@ -255,13 +318,15 @@ class LocalBackend:
         batch = build_batch(samples, self.pad_token_id)
         mask = batch.response_mask.to(self.device)
         with torch.no_grad():
-            old = self._all_logprobs(batch)  # the proximal policy: once per batch
+            old = self._all_logprobs(batch, cfg)  # the proximal policy: once per batch
             ref = None
             if cfg.kl_coef:
                 with self.model.disable_adapter():
-                    ref = self._all_logprobs(batch)
-        advantages, _ = self.estimator(batch.token_level_rewards.to(self.device), mask, batch.index,
-                                       rollout_index=batch.rollout_index, **cfg.adv_kwargs)
+                    ref = self._all_logprobs(batch, cfg)
+        advantages, _ = get_adv_estimator(cfg.adv_estimator)(
+            batch.token_level_rewards.to(self.device), mask, batch.index, rollout_index=batch.rollout_index,
+            **cfg.adv_kwargs)
+        policy_loss = get_policy_loss(cfg.policy_loss)
         stats: dict[str, float] = {}
         engine = batch.engine_logprobs.to(self.device)
         has_engine = batch.has_engine.to(self.device).unsqueeze(-1)
@@ -281,8 +346,8 @@ class LocalBackend:
                 optimizer.zero_grad(set_to_none=True)
                 for m in range(0, len(mini), cfg.micro_batch_size):
                     rows = mini[m:m + cfg.micro_batch_size]
-                    log_prob = self.response_logprobs(batch, rows)
-                    loss, pg = self.policy_loss(old[rows], log_prob, advantages[rows], mask[rows],
+                    log_prob = self.response_logprobs(batch, rows, cfg.temperature)
+                    loss, pg = policy_loss(old[rows], log_prob, advantages[rows], mask[rows],
                                                 loss_agg_mode=cfg.loss_agg_mode, clip_ratio=cfg.clip_ratio,
                                                 rollout_is_weights=None if weights is None else weights[rows])
                     if ref is not None:

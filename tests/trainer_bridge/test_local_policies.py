@@ -75,6 +75,40 @@ def test_a_learning_rate_for_an_unknown_policy_or_not_a_rate_is_refused(policy_l
     assert named in str(info.value) and "served names" in str(info.value)
 
 
+def test_a_policy_with_its_own_config_trains_as_a_backend_with_that_config():
+    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+
+    own = {"lr": 5e-4, "mini_batch_size": 4, "clip_ratio": 0.1}
+    alone = LocalBackend(ensure_tiny_model(), LocalConfig(**own), seed=0, device="cpu")
+    team = LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-3, policy_config={"planner": own}), seed=0,
+                        device="cpu", policies=["planner", "solver"])
+    samples = _samples()
+    expected, planner = alone.update(samples), team.update(samples, policy="planner")
+    solver = team.update(samples, policy="solver")
+    assert planner["optimizer_steps"] == expected["optimizer_steps"] == -(-len(samples) // 4)
+    assert solver["optimizer_steps"] == -(-len(samples) // 16) and solver["lr"] == 5e-3  # the shared config
+    assert planner["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert planner["pg_clipfrac"] == pytest.approx(expected["pg_clipfrac"])
+    trained, reference = _weights(team, "policy0"), _weights(alone, "default")
+    assert all(torch.allclose(trained[k], reference[k], atol=1e-6) for k in reference)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"policy_config": {"critic": {"lr": 1e-4}}}, "critic"),
+    ({"policy_config": {"solver": {"lora_rank": 4}}}, "lora_rank"),
+    ({"policy_config": {"solver": 1e-4}}, "0.0001"),
+    ({"policy_config": {"solver": {"lr": -1.0}}}, "-1.0"),
+    ({"policy_config": {"solver": {"lr": 1e-4}}, "policy_lr": {"solver": 2e-4}}, "two learning rates"),
+    ({"policy_config": [("solver", {"lr": 1e-4})]}, "policy_config must map"),
+])
+def test_a_policy_config_that_cannot_apply_is_refused(config, named):
+    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+
+    with pytest.raises(ConfigurationError, match="policy_config|policy_lr") as info:
+        LocalBackend(ensure_tiny_model(), LocalConfig(**config), seed=0, device="cpu", policies=["planner", "solver"])
+    assert named in str(info.value)
+
+
 def test_a_saved_policy_is_its_adapter_alone(tmp_path):
     import peft
     from transformers import AutoModelForCausalLM
@@ -124,3 +158,42 @@ def test_the_allocator_threshold_is_set_where_glibc_is_and_bad_values_are_refuse
         with pytest.raises(ConfigurationError, match="malloc_mmap_threshold") as info:
             set_malloc_mmap_threshold(bad)
         assert repr(bad) in str(info.value) and "65536" in str(info.value)
+
+
+def test_freed_heap_memory_goes_back_to_the_system_after_each_update(monkeypatch):
+    import platform
+    import subprocess
+    import sys
+
+    from lightning_rl.trainer_bridge import local
+
+    calls = []
+    monkeypatch.setattr(local, "release_freed_memory", lambda: calls.append(1) or True)
+    backend = _backend(policies=["planner", "solver"])
+    assert backend.config.malloc_trim is None  # the default: on with several policies
+    backend.update(_samples(8), policy="planner")
+    backend.update(_samples(8), policy="solver")
+    assert len(calls) == 2
+    backend.config.malloc_trim = False
+    backend.update(_samples(8), policy="planner")
+    assert len(calls) == 2
+    alone = _backend()  # one policy: off by default (its peak does not grow), on when asked
+    alone.update(_samples(8))
+    assert len(calls) == 2
+    alone.config.malloc_trim = True
+    alone.update(_samples(8))
+    assert len(calls) == 3
+
+    if platform.libc_ver()[0] == "glibc":  # a process of its own: 200 MB of small blocks, freed but for the last
+        code = """if True:
+            import torch
+            from lightning_rl.trainer_bridge.local import release_freed_memory
+            def rss_mb():
+                return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+            blocks = [torch.ones(25_000) for _ in range(2_000)]  # 100 KB each, under glibc's mmap threshold
+            del blocks[:-1]  # the last one keeps the heap's top in use: free() alone cannot shrink it
+            before = rss_mb()
+            print(release_freed_memory(), round(before - rss_mb()))"""
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        released, mb = done.stdout.split()
+        assert released == "True" and int(mb) > 150, done.stdout
