@@ -70,6 +70,10 @@ class VLLMServer:
             # log-probs after temperature (and any top-k/top-p), the distribution the tokens were sampled
             # from: what the trainer computes, so the two mean the same thing (the behaviour policy)
             "--logprobs-mode", "processed_logprobs",
+            # JSON constrained by a schema (response_format json_schema) is written compact: the grammar
+            # otherwise lets a small model spend max_tokens on spaces between fields (the tiny model did,
+            # greedy). A named tool_choice's structural tag is not covered by this vLLM option.
+            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
         ]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]

@@ -185,20 +185,27 @@ class Verdict(BaseModel):
 
 
 def test_structured_output_is_not_an_empty_trajectory(traced, llm, tokenizer):
-    # LangChain forces the function by name; strict makes vLLM hold the arguments to Verdict's schema.
-    structured = llm.with_structured_output(Verdict, method="function_calling", include_raw=True, strict=True)
+    # A strict JSON schema: vLLM constrains the whole answer, and the test server writes constrained JSON
+    # without free whitespace (VLLMServer), so the only choice left is true or false. (With the function-
+    # calling method, the structural tag's grammar lets the tiny model pad the call with spaces up to
+    # max_tokens, which one build of it did.)
+    structured = llm.with_structured_output(Verdict, method="json_schema", include_raw=True, strict=True)
 
     @lrl.trace
     def run(question):
         out = structured.invoke(question)
-        return 1.0 if isinstance(out["parsed"], Verdict) else 0.0
+        assert isinstance(out["parsed"], Verdict), out
+        return 1.0
 
     outcome = _outcome(run, QUESTION)
+    assert outcome is None, outcome
     (t,) = list(traced.trajectories())
     _assert_status(t, outcome)
     _assert_engine_ids(t, tokenizer)
     (call,) = t.llm_calls
-    assert [c.name for c in call.tool_calls] == ["Verdict"]
+    assert call.finish_reason == "stop" and call.output_messages[0]["content"] in ('{"correct":true}',
+                                                                                 '{"correct":false}')
+    assert t.final_reward == 1.0
 
 
 def test_truncated_structured_output_keeps_its_tokens(traced, vllm_url):
