@@ -3,30 +3,34 @@
 
 A planner and a solver share the task "What is a+b?":
 
-* the **planner** (served LoRA ``planner-lora``) writes the expression to compute, as a calculator
-  call it does not run itself (its reply is prefilled with ``<tool_call>``): its plan is the call's
-  ``expression``;
+* the **planner** (served LoRA ``planner-lora``) is asked the question and hands the solver a plan: when
+  it answers with a calculator call, which it does not run itself, the plan is the call's
+  ``expression``; when it answers in words, its words are the plan (a guess, almost always wrong);
 * the **solver** (served LoRA ``solver-lora``) is asked "What is <plan>?" and answers with its own
-  calculator call's result.
+  calculator call's result (no call: no answer).
 
 The team's reward is 1.0 for the exact sum, and it is the only signal: neither agent gets a reward of
 its own (credit rule ``team``: every agent that took part receives the team reward). Both roles
-matter: a wrong plan or a wrong copy of it fails the task. Each agent has its own measure: the
-planner's plans that evaluate to a+b, the solver's calculator calls that compute the plan it was
-given. ``Trainer(policies=...)`` trains both adapters of the one base model (PEFT multi-adapter) and
-hot-loads each into vLLM under its own name. ``--shared`` runs the same team on one shared policy
-(both agents call ``team-lora``), same budget and seeds.
+matter and each has its own decision to learn: the planner to delegate (write the expression as a
+call, not guess), the solver to compute (call its tool on the plan, not guess). The warm-started model
+calls its tool in about 1 answer in 5, so the team starts near 0.05. Each agent has its own measure,
+taken on its own input apart from the other, on the held-out tasks before and after training (8
+samples a task at the training temperature): the planner's plans that evaluate to a+b, and the
+solver's calls that compute a right plan ("What is a+b?" given to it). ``Trainer(policies=...)`` trains
+both adapters of the one base model (PEFT multi-adapter) and hot-loads each into vLLM under its own
+name. ``--shared`` runs the same team on one shared policy (both agents call ``team-lora``), same
+budget and seeds.
 
-Prints held-out team success (greedy) before and after, each agent's measure on the first and last
-two training steps (tasks those steps had not seen, sampled at the training temperature) and on the
-held-out tasks, draws one curve per agent (``team.png``), and ends with one JSON line.
+Prints each training step's per-agent rates as it goes, held-out team success (greedy) before and
+after, each agent's own measure, draws one curve per agent (``team.png``), and ends with one JSON line.
 
-Run: make demo-team     (or .venv/bin/python examples/team_rl/train.py --steps 20 [--shared])
+Run: make demo-team     (or .venv/bin/python examples/team_rl/train.py [--steps 40] [--shared] [--seed 0])
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -52,43 +56,31 @@ from word_problems import calculator  # noqa: E402
 AGENTS = ("planner", "solver")
 
 
-async def _plan(client: openai.AsyncOpenAI, model: str, question: str, temperature: float, seed: int) -> str:
-    """The planner's plan: the expression of the calculator call it writes ("" if it writes no valid call).
-
-    Its reply is prefilled with ``<tool_call>`` (vLLM's ``continue_final_message``), so it always writes a
-    call, in the format the model was warm-started on, with no guided decoding: ``tool_choice="required"``
-    samples under a grammar mask, whose log-probs the trainer cannot reproduce, and a format the model
-    never saw."""
-    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": question},
-                {"role": "assistant", "content": "<tool_call>"}]
-    prefill = {"continue_final_message": True, "add_generation_prompt": False}
-    r = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
-                                             temperature=temperature, max_tokens=64, seed=seed, extra_body=prefill)
-    text = r.choices[0].message.content or ""
-    try:
-        return str(json.loads(text.split("</tool_call>")[0])["arguments"]["expression"])
-    except (ValueError, KeyError, TypeError):
-        return ""
-
-
-async def _solve(client: openai.AsyncOpenAI, model: str, question: str, temperature: float,
-                 seed: int) -> tuple[Any, str]:
-    """The solver's calculator call and its expression, or None and "" when it answers without the tool."""
+async def _ask(client: openai.AsyncOpenAI, model: str, question: str, temperature: float,
+               seed: int) -> tuple[Any, str, str]:
+    """One agent's turn: its calculator call (or None), the call's expression ("" without one), its text."""
     messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": question}]
     r = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
                                              temperature=temperature, max_tokens=64, seed=seed)
     message = r.choices[0].message
     if not message.tool_calls:
-        return None, ""
+        return None, "", (message.content or "").strip()
     call = message.tool_calls[0]
     try:
         expression = str(json.loads(call.function.arguments).get("expression", ""))
     except (ValueError, AttributeError):
         expression = ""
-    return call, expression
+    return call, expression, message.content or ""
 
 
-def make_team(client: openai.AsyncOpenAI, names: dict[str, str], temperature: float, log: list[dict]):
+async def _plan(client: openai.AsyncOpenAI, model: str, question: str, temperature: float, seed: int) -> str:
+    """The planner's plan: the expression of the calculator call it writes, else its words."""
+    call, expression, text = await _ask(client, model, question, temperature, seed)
+    return expression if call is not None else text
+
+
+def make_team(client: openai.AsyncOpenAI, names: dict[str, str], temperature: float, log: list[dict],
+              per_step: int = 0):
     @lrl.trace(agent="team")
     async def team(task: dict) -> float:
         state = current_rollout()
@@ -99,7 +91,7 @@ def make_team(client: openai.AsyncOpenAI, names: dict[str, str], temperature: fl
         with lrl.agent_scope("planner"):
             plan = await _plan(client, names["planner"], f"What is {task['a']}+{task['b']}?", temperature, seed)
         with lrl.agent_scope("solver"):
-            call, expression = await _solve(client, names["solver"], f"What is {plan}?", temperature, seed + 1)
+            call, expression, _ = await _ask(client, names["solver"], f"What is {plan}?", temperature, seed + 1)
             answer = ""
             if call is not None:
                 with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
@@ -107,9 +99,43 @@ def make_team(client: openai.AsyncOpenAI, names: dict[str, str], temperature: fl
         log.append({"mode": state.mode, "planner": calculator(plan) == target,
                     "solver": call is not None and answer == calculator(plan) and not answer.startswith("error"),
                     "team": answer == target})
+        train = [r for r in log if r["mode"] == "train"]
+        if state.mode == "train" and per_step and len(train) % per_step == 0:  # a step's rollouts are all in
+            last = train[-per_step:]
+            print(f"step {len(train) // per_step}: " + ", ".join(f"{k} {_rate(last, k):.2f}" for k in (*AGENTS, "team")),
+                  flush=True)
         return 1.0 if answer == target else 0.0
 
     return team
+
+
+async def agent_measures(base_url: str, names: dict[str, str], tasks: list[dict], temperature: float,
+                         tries: int) -> dict[str, float]:
+    """Each agent's own measure, on its own input, apart from the other: the planner's plans that evaluate to
+    a+b, and the solver's calculator calls that compute a right plan ("What is a+b?"), each sampled ``tries``
+    times per held-out task at the training temperature (same tasks and seeds before and after). Not traced:
+    these calls are a measurement, not rollouts."""
+    limit = asyncio.Semaphore(16)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")  # of this event loop
+
+    async def planner(task: dict, k: int) -> bool:
+        async with limit:
+            plan = await _plan(client, names["planner"], f"What is {task['a']}+{task['b']}?", temperature,
+                               zlib.crc32(json.dumps(["planner", task, k]).encode()))
+        return calculator(plan) == str(task["a"] + task["b"])
+
+    async def solver(task: dict, k: int) -> bool:
+        async with limit:
+            call, expression, _ = await _ask(client, names["solver"], f"What is {task['a']}+{task['b']}?",
+                                             temperature, zlib.crc32(json.dumps(["solver", task, k]).encode()))
+        return call is not None and calculator(expression) == str(task["a"] + task["b"])
+
+    out = {}
+    for agent, measure in (("planner", planner), ("solver", solver)):
+        hits = await asyncio.gather(*(measure(t, k) for t in tasks for k in range(tries)))
+        out[agent] = round(sum(hits) / len(hits), 3)
+    await client.close()
+    return out
 
 
 def _rate(rows: list[dict], key: str) -> float:
@@ -141,17 +167,19 @@ def plot_agents(curves: list[dict], out: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description="a two-agent team trained from a shared reward (CPU)")
     parser.add_argument("--shared", action="store_true", help="one policy for both agents (the baseline)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--n", type=int, default=8, help="tries per task (GRPO group size)")
     parser.add_argument("--tasks-per-step", type=int, default=8)
     parser.add_argument("--eval-tasks", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=1e-3, help="the solver's learning rate (the shared policy's)")
-    parser.add_argument("--planner-lr", type=float, default=1e-4,
-                        help="the planner's (per-agent policies only): its reward signal is mostly noise until "
-                             "the solver calls its tool")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of each policy (or the shared one)")
+    parser.add_argument("--kl-coef", type=float, default=0.1,
+                        help="KL to the base model in each policy's loss: where the team reward says nothing about a "
+                             "token (every try of a group writes it), AdamW still moves it, and without this pull "
+                             "back the planner of seed 1 drifted to plans without '+' that the solver learned to split")
     parser.add_argument("--temperature", type=float, default=0.6,
-                        help="sampling temperature of training rollouts (the trainer's log-probs use it too); at "
-                             "1.0 the tiny model's team succeeds in about 3 tries of 100, too few to learn from")
+                        help="sampling temperature of training rollouts (the trainer's log-probs use it too)")
+    parser.add_argument("--measure-tries", type=int, default=8,
+                        help="samples per held-out task of each agent's own measure, before and after")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
     parser.add_argument("--out", default=None, help="default: .cache/demo-team (or demo-team-shared)")
@@ -174,16 +202,19 @@ def main() -> None:
                                                 log_path=out / "vllm.log"))
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY")
+        # before: the base model, which is every policy's version 0 (a LoRA starts with B = 0)
+        base = {a: server.served_name for a in AGENTS}
+        measured_before = asyncio.run(agent_measures(server.base_url, base, held_out, args.temperature, args.measure_tries))
         trainer = Trainer(
-            agent=make_team(client, names, args.temperature, log), tasks=train_tasks, store=store,
+            agent=make_team(client, names, args.temperature, log, args.n * args.tasks_per_step), tasks=train_tasks, store=store,
             model_dir=args.model_dir, server_url=server.url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps,
             eval_tasks=held_out, eval_n=1, eval_agent=make_team(client, names, 0.0, log), policies=names,
             credit="team", seed=args.seed,
-            local=LocalConfig(lr=args.lr, temperature=args.temperature,
-                              policy_lr={} if args.shared else {names["planner"]: args.planner_lr}),
+            local=LocalConfig(lr=args.lr, temperature=args.temperature, kl_coef=args.kl_coef),
         )
         result = trainer.fit()
+        measured_after = asyncio.run(agent_measures(server.base_url, names, held_out, args.temperature, args.measure_tries))
     minutes = (time.time() - started) / 60
     evals = [r for r in log if r["mode"] == "eval"]
     before, after = evals[:len(held_out)], evals[len(held_out):]
@@ -193,15 +224,18 @@ def main() -> None:
               for i in range(len(train) // per_step)]
     plot = plot_agents(curves, out / "team.png")
     first, last = train[:2 * per_step], train[-2 * per_step:]  # two steps of fresh tasks each, sampled
-    agents = {a: {"before": _rate(first, a), "after": _rate(last, a), "held_out_before": _rate(before, a),
-                  "held_out_after": _rate(after, a)} for a in AGENTS}
+    agents = {a: {"before": measured_before[a], "after": measured_after[a],
+                  "train_first_steps": _rate(first, a), "train_last_steps": _rate(last, a),
+                  "greedy_before": _rate(before, a), "greedy_after": _rate(after, a)} for a in AGENTS}
     print(f"\nheld-out team success: {result.eval_before:.2f} before -> {result.eval_after:.2f} after {args.steps} "
           f"steps ({minutes:.1f} min, {'one shared policy' if args.shared else 'a policy per agent'})")
-    print("each agent's measure, first -> last two training steps (sampled), and held-out (greedy):")
+    print(f"each agent's own measure on the held-out tasks ({args.measure_tries} samples each at T="
+          f"{args.temperature}, its own input), then in the team: first -> last two training steps (sampled), "
+          f"held-out team runs (greedy):")
     for a in AGENTS:
         m = agents[a]
-        print(f"  {a}: {m['before']:.2f} -> {m['after']:.2f}   held-out {m['held_out_before']:.2f} -> "
-              f"{m['held_out_after']:.2f}")
+        print(f"  {a}: {m['before']:.2f} -> {m['after']:.2f}   in training {m['train_first_steps']:.2f} -> "
+              f"{m['train_last_steps']:.2f}   greedy {m['greedy_before']:.2f} -> {m['greedy_after']:.2f}")
     print(f"per-agent curves: {plot}; reward plot: {result.plot_path}; metrics: {result.metrics_path}")
     print(json.dumps({
         "policies": "shared" if args.shared else "per_agent",
