@@ -12,8 +12,8 @@ the bound for N policies is ``1.1 x (base + N x footprint)``. It also prints wha
 the first adds to the peak RSS, to compare with its footprint, and the seconds per update. Each N runs
 once per allocator setting (``--allocators``), since the heap's retention of freed activations is what
 grows with N: glibc's defaults (``LocalConfig(malloc_trim=False)``), the heap's free pages handed back
-after each update (``malloc_trim=True``; the default, None, turns it on with several policies), and blocks from 64 KiB up mapped on their own
-(``malloc_mmap_threshold=65536``). The last line is JSON.
+after each update (``malloc_trim=True``; the default, None, turns it on with several policies), and
+blocks from 64 KiB up mapped on their own (``malloc_mmap_threshold=65536``). The last line is JSON.
 
 Run: .venv/bin/python bench/bench_policy_memory.py [--policies 1 2 4 8] [--hidden 512 --layers 8]
      [--allocators none trim 65536]
@@ -87,9 +87,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--allocators", nargs="+", default=["none", "trim", "65536"],
-                        help="none: glibc's defaults; trim: malloc_trim after each update (the default with several "
-                             "policies); a number: "
-                             "malloc_mmap_threshold in bytes")
+                        help="none: glibc's defaults; trim: malloc_trim after each update (the default with "
+                             "several policies); a number: malloc_mmap_threshold in bytes")
     parser.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "N", "UPDATES", "THRESHOLD"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()

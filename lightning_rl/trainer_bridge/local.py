@@ -240,9 +240,13 @@ class LocalBackend:
         self._optimizers = {
             policy: torch.optim.AdamW(self._params(name), lr=self._configs[policy].lr, weight_decay=0.0)
             for policy, name in self._adapters.items()}
-        for cfg in self._configs.values():  # an unknown estimator or loss fails here, before any rollout
+        for policy, cfg in self._configs.items():  # bad settings fail here, before any rollout
             get_adv_estimator(cfg.adv_estimator)
             get_policy_loss(cfg.policy_loss)
+            if cfg.mini_batch_size < 1 or cfg.micro_batch_size < 1 or cfg.ppo_epochs < 1:
+                raise ConfigurationError(
+                    f"mini_batch_size, micro_batch_size and ppo_epochs must be >= 1, got {cfg.mini_batch_size}, "
+                    f"{cfg.micro_batch_size}, {cfg.ppo_epochs}" + (f" for policy {policy!r}" if policy else ""))
 
     @property
     def policies(self) -> list[str | None]:
@@ -299,7 +303,8 @@ class LocalBackend:
 
     def update(self, samples: list[Sample], policy: str | None = None) -> dict[str, float]:
         """One batch of updates to ``policy``'s adapter (the only one, when the backend holds one), with
-        that policy's config (``LocalConfig`` with its ``policy_lr``/``policy_config`` entries)."""
+        that policy's config (``LocalConfig`` with its ``policy_lr``/``policy_config`` entries), as it was
+        when the backend was built."""
         if policy is None and len(self._adapters) > 1:
             raise ConfigurationError(f"this backend holds {len(self._adapters)} policies; name the one to update "
                                      f"(update(samples, policy=...), one of {self.policies})")
@@ -312,9 +317,6 @@ class LocalBackend:
 
     def _update(self, samples: list[Sample], policy: str | None, cfg: LocalConfig) -> dict[str, float]:
         optimizer = self._optimizers[policy]
-        if cfg.mini_batch_size < 1 or cfg.micro_batch_size < 1 or cfg.ppo_epochs < 1:
-            raise ConfigurationError(f"mini_batch_size, micro_batch_size and ppo_epochs must be >= 1, got "
-                                     f"{cfg.mini_batch_size}, {cfg.micro_batch_size}, {cfg.ppo_epochs}")
         batch = build_batch(samples, self.pad_token_id)
         mask = batch.response_mask.to(self.device)
         with torch.no_grad():

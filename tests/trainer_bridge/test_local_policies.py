@@ -100,11 +100,12 @@ def test_a_policy_with_its_own_config_trains_as_a_backend_with_that_config():
     ({"policy_config": {"solver": {"lr": -1.0}}}, "-1.0"),
     ({"policy_config": {"solver": {"lr": 1e-4}}, "policy_lr": {"solver": 2e-4}}, "two learning rates"),
     ({"policy_config": [("solver", {"lr": 1e-4})]}, "policy_config must map"),
+    ({"policy_config": {"solver": {"mini_batch_size": 0}}}, "got 0, 16, 1 for policy 'solver'"),
 ])
 def test_a_policy_config_that_cannot_apply_is_refused(config, named):
     from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
 
-    with pytest.raises(ConfigurationError, match="policy_config|policy_lr") as info:
+    with pytest.raises(ConfigurationError, match="policy_config|policy_lr|mini_batch_size") as info:
         LocalBackend(ensure_tiny_model(), LocalConfig(**config), seed=0, device="cpu", policies=["planner", "solver"])
     assert named in str(info.value)
 
