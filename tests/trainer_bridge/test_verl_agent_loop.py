@@ -54,6 +54,7 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
 
 
 def test_one_store_per_process_however_many_loops_verl_makes(tmp_path):
+    import gc
     import os
     import threading
 
@@ -61,9 +62,12 @@ def test_one_store_per_process_however_many_loops_verl_makes(tmp_path):
     from lightning_rl.tracer import tracing
 
     first = _loop("http://127.0.0.1:9/v1", tmp_path)  # verl makes one loop object per sample
+    gc.collect()  # files left by earlier tests close when collected: not while the loops are counted
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     loops = [_loop("http://127.0.0.1:9/v1", tmp_path) for _ in range(200)]
-    assert threading.active_count() == threads and len(os.listdir("/proc/self/fd")) == fds
+    gc.collect()
+    # a store (or its writer thread, or its SQLite file) per loop would add 200; none may be added
+    assert threading.active_count() <= threads and len(os.listdir("/proc/self/fd")) <= fds
     assert all(loop.store is first.store is tracing.sink() for loop in loops)  # spans and reads: one store
     lrl.configure(store="memory://")
     first.store.close()
