@@ -227,6 +227,8 @@ class PolicyRecord(_Record):
     version: int = Field(ge=0)
     adapter: str | None = None
     time: float = Field(default_factory=time.time)
+    #: Lineage: group ids of the rollouts this version was trained on, in batch order; None when not recorded.
+    trained_on: list[str] | None = None
 
 
 class ToolCall(BaseModel):

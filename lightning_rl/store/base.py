@@ -179,14 +179,24 @@ class Store:
 
     # -- policies: which weights each served name answers with ------------------------------------
     def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
-                      time: float | None = None) -> PolicyRecord:
+                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
         """Record a publish (trainers call it after the weights are live). Durable on return; every
-        process that traces into this store stamps its LLM calls from these records."""
+        process that traces into this store stamps its LLM calls from these records. ``trained_on``:
+        the group ids of the rollouts whose samples made this version, in batch order (its lineage)."""
         if not isinstance(served_name, str) or not served_name:
             raise ConfigurationError(f"served_name must be the model name agents request, got {shown(served_name)}")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigurationError(f"policy version must be a non-negative int, got {shown(version)}")
-        record = PolicyRecord(served_name=served_name, version=version, adapter=adapter,
+        if trained_on is not None:
+            if not isinstance(trained_on, (list, tuple)):
+                raise ConfigurationError(
+                    f"trained_on must be a list of rollout group ids (or None), got {shown(trained_on)}")
+            bad = [g for g in trained_on if not isinstance(g, str) or not g]
+            if bad:
+                raise ConfigurationError(
+                    f"trained_on must hold non-empty group id strings, got {shown(bad[0])} in {shown(trained_on)}")
+            trained_on = list(trained_on)
+        record = PolicyRecord(served_name=served_name, version=version, adapter=adapter, trained_on=trained_on,
                               **({"time": time} if time is not None else {}))
         self._insert_policy(record)
         return record

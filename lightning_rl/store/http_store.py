@@ -306,7 +306,9 @@ class HttpStore(Store):
         return data.rollout_ids, data.position
 
     def _insert_policy(self, record: PolicyRecord) -> None:
-        self._request("POST", "/policies", json=record.model_dump(mode="json", exclude={"schema_version"}))
+        # trained_on only when recorded: a store server from before lineage refuses the key.
+        skip = {"schema_version"} | (set() if record.trained_on is not None else {"trained_on"})
+        self._request("POST", "/policies", json=record.model_dump(mode="json", exclude=skip))
 
     def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
         data = self._request("GET", "/policies", params=dict(served_name=served_name, latest="true" if latest else None))

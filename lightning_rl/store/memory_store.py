@@ -114,13 +114,15 @@ class InMemoryStore(Store):
             return fn(_MemoryQueueView(self._queue))
 
     def _insert_policy(self, record: PolicyRecord) -> None:
+        record = record.model_copy(deep=True)  # its trained_on list: nobody's but the store's, as in a file
         with self._lock:
             self._policies.append(record)
 
     def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
         with self._lock:
             found = [p for p in self._policies if served_name is None or p.served_name == served_name]
-        return list({p.served_name: p for p in found}.values()) if latest else found
+        found = list({p.served_name: p for p in found}.values()) if latest else found
+        return [p.model_copy(deep=True) for p in found]
 
     def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
         with self._lock:

@@ -196,3 +196,9 @@ def migrate(conn: sqlite3.Connection, path: str) -> int:
 def _lease_keys(db: sqlite_utils.Database) -> None:
     if "lease_key" not in db["queue"].columns_dict:
         db["queue"].add_column("lease_key", str)
+
+
+@migration(7, "policy lineage: the rollout groups each published version was trained on")
+def _policy_lineage(db: sqlite_utils.Database) -> None:
+    if "trained_on" not in db["policies"].columns_dict:  # a JSON list of group ids; NULL: not recorded
+        db["policies"].add_column("trained_on", str)

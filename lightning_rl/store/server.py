@@ -62,6 +62,11 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
+def _policy_json(record: PolicyRecord) -> dict[str, Any]:
+    """A policy record as JSON; ``trained_on`` only when recorded (clients from before lineage refuse the key)."""
+    return record.model_dump(mode="json", exclude=None if record.trained_on is not None else {"trained_on"})
+
+
 def _problem(status: int, error: str, details: list[str] | None = None) -> Response:
     return _json({"error": error, "details": details or []}, status)
 
@@ -276,14 +281,14 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         """Record a publish (durable on return); every process stamps its LLM calls from these."""
         data = await body_of(request, wire.PolicyIn)
         record = await anyio.to_thread.run_sync(lambda: store.record_policy(
-            data.served_name, data.version, adapter=data.adapter, time=data.time))
-        return _json(record.model_dump(mode="json"))
+            data.served_name, data.version, adapter=data.adapter, time=data.time, trained_on=data.trained_on))
+        return _json(_policy_json(record))
 
     @app.get(f"{p}/policies", response_model=list[PolicyRecord])
     async def policies(served_name: str | None = None, latest: bool = False) -> Response:
         """Recorded publishes, oldest first; ``latest``: the last one of each served name."""
         found = await anyio.to_thread.run_sync(lambda: store._query_policies(served_name, latest))
-        return _json([r.model_dump(mode="json") for r in found])
+        return _json([_policy_json(r) for r in found])
 
     @app.get(f"{p}/rollouts", response_model=list[Rollout])
     async def rollouts(mode: str | None = None, status: str | None = None, since: float | None = None,

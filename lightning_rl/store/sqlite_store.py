@@ -386,8 +386,10 @@ class SQLiteStore(Store):
 
     def _insert_policy(self, record: PolicyRecord) -> None:
         def insert(view: _SQLiteQueueView) -> None:
-            view._conn.execute("INSERT INTO policies (served_name, version, adapter, time) VALUES (?, ?, ?, ?)",
-                              (record.served_name, record.version, record.adapter, record.time))
+            view._conn.execute(
+                "INSERT INTO policies (served_name, version, adapter, time, trained_on) VALUES (?, ?, ?, ?, ?)",
+                (record.served_name, record.version, record.adapter, record.time,
+                 None if record.trained_on is None else orjson.dumps(record.trained_on).decode()))
         self._queue_txn(insert)
 
     def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
@@ -396,12 +398,13 @@ class SQLiteStore(Store):
             where, params = ["served_name = ?"], [served_name]
         if latest:
             where.append("publish_id IN (SELECT max(publish_id) FROM policies GROUP BY served_name)")
-        sql = "SELECT served_name, version, adapter, time FROM policies"
+        sql = "SELECT served_name, version, adapter, time, trained_on FROM policies"
         if where:
             sql += " WHERE " + " AND ".join(where)
         params = tuple(params)
         rows = self._read(sql + " ORDER BY publish_id", params)
-        return [PolicyRecord(served_name=n, version=v, adapter=a, time=t) for n, v, a, t in rows]
+        return [PolicyRecord(served_name=n, version=v, adapter=a, time=t,
+                             trained_on=None if g is None else orjson.loads(g)) for n, v, a, t, g in rows]
 
 
 # Spill folders of stores open in this process: a store opened on a folder nobody here uses may take

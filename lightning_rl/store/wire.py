@@ -168,12 +168,16 @@ class CompleteIn(_Wire):
 
 
 class PolicyIn(_Wire):
-    """A publish: ``served_name`` answers with weights ``version`` (an adapter path, if any) from now on."""
+    """A publish: ``served_name`` answers with weights ``version`` (an adapter path, if any) from now on,
+    trained on the rollout groups ``trained_on``."""
 
     served_name: str = Field(min_length=1, max_length=256)
     version: int = Field(ge=0)
     adapter: str | None = Field(None, max_length=4096)
     time: float | None = None
+    # Lineage: the group ids this version was trained on, in batch order (absent from older clients).
+    trained_on: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] | None = Field(
+        None, max_length=100_000)
 
 
 class RewardedSince(_Wire):

@@ -3,13 +3,17 @@ calls when it ends, and pollers read rewards by position (what is new, not the w
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 
+import httpx
 import pytest
 
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import RolloutStatus
+from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.server import BackgroundServer
 from lightning_rl.store.sqlite_store import SQLiteStore
 
 from .helpers import rollout
@@ -79,3 +83,51 @@ def test_a_store_from_before_policies_gains_the_table(tmp_path):
     with SQLiteStore(path) as s:
         s.record_policy("policy", 7)
         assert s.policy_versions() == {"policy": 7}
+
+
+def test_a_publish_records_the_groups_it_was_trained_on(store):
+    assert store.record_policy("policy", 0, time=10.0).trained_on is None  # version 0: trained on nothing yet
+    groups = ["g-7", "g-2", "g-10", "g-2b"]  # batch order, not sorted order
+    made = store.record_policy("policy", 1, adapter="/adapters/v00001", time=20.0, trained_on=groups)
+    groups.append("added-later")  # the caller's list is not the record's
+    assert made.trained_on == ["g-7", "g-2", "g-10", "g-2b"]
+    made.trained_on.append("mutated")  # nor is the returned record the stored one
+    store.record_policy("critic", 3, time=15.0, trained_on=("c-1", "c-0"))  # a tuple is taken, read back as a list
+    store.record_policy("critic", 4, time=25.0, trained_on=[])  # recorded as empty: not the same as unknown
+    history = store.policies("policy")
+    assert [(p.version, p.trained_on) for p in history] == [(0, None), (1, ["g-7", "g-2", "g-10", "g-2b"])]
+    history[1].trained_on.append("mutated")  # what a reader does to its copy stays with it
+    assert [p.trained_on for p in store.policies()] == [None, ["g-7", "g-2", "g-10", "g-2b"], ["c-1", "c-0"], []]
+    latest = store.latest_policies()
+    assert latest["policy"].trained_on == ["g-7", "g-2", "g-10", "g-2b"] and latest["critic"].trained_on == []
+    assert store.policy_versions() == {"policy": 1, "critic": 4}
+
+
+@pytest.mark.parametrize("bad, shown_as", [
+    ("g-1", "'g-1'"),  # one id, not a list of them: a str is a Sequence[str] too, so it is named
+    (["g-1", ""], "''"),
+    (["g-1", 3], "3"),
+    ([None], "None"),
+    ({"g-1"}, "{'g-1'}"),
+    (7, "7"),
+])
+def test_a_bad_trained_on_is_refused_naming_the_value(store, bad, shown_as):
+    store.record_policy("policy", 3, trained_on=["g-0"])
+    with pytest.raises(ConfigurationError, match="trained_on.*" + re.escape(shown_as)):
+        store.record_policy("policy", 4, trained_on=bad)
+    assert [(p.version, p.trained_on) for p in store.policies()] == [(3, ["g-0"])]  # nothing half-recorded
+
+
+def test_a_client_that_does_not_send_trained_on_still_publishes(tmp_path):
+    with BackgroundServer(tmp_path / "served.db") as server:
+        with httpx.Client(base_url=server.url + "/v1") as http:
+            old = http.post("/policies", json={"served_name": "policy", "version": 2, "adapter": None, "time": 5.0})
+            assert old.status_code == 200 and "trained_on" not in old.json()  # what a client before lineage reads
+            new = http.post("/policies", json={"served_name": "policy", "version": 3, "trained_on": ["g-b", "g-a"]})
+            assert new.status_code == 200 and new.json()["trained_on"] == ["g-b", "g-a"]
+            refused = http.post("/policies", json={"served_name": "policy", "version": 4, "trained_on": ["g-a", ""]})
+            assert refused.status_code == 422 and "trained_on" in refused.text
+            listed = http.get("/policies").json()
+            assert ["trained_on" in p for p in listed] == [False, True]
+        with HttpStore(server.url, spill_dir=tmp_path / "spill", retry_for=5.0) as client:
+            assert [(p.version, p.trained_on) for p in client.policies()] == [(2, None), (3, ["g-b", "g-a"])]

@@ -253,5 +253,39 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
         (held,) = store.queue_entries(["g1"])  # a lease from before lease keys: read, and completed as before
         assert held.lease_key is None and store.complete("q1", "r-a", "succeeded")
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 6
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 7
     conn.close()
+
+
+def test_a_schema_6_file_is_upgraded_and_its_publishes_have_no_lineage(tmp_path):
+    import sqlite_utils
+
+    from lightning_rl.store.migrations import _MIGRATIONS
+
+    path = tmp_path / "v6.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    db = sqlite_utils.Database(conn)
+    for version in range(1, 7):  # the schema as it was before policy lineage
+        _MIGRATIONS[version][1](db)
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 6")
+    conn.executemany("INSERT INTO policies (served_name, version, adapter, time) VALUES (?, ?, ?, ?)",
+                     [("policy", 0, None, 1.0), ("policy", 1, "/adapters/v00001", 2.0)])
+    assert "trained_on" not in {r[1] for r in conn.execute("PRAGMA table_info(policies)")}
+    conn.close()
+    with SQLiteStore(path) as store:
+        assert [(p.version, p.adapter, p.trained_on) for p in store.policies()] == [
+            (0, None, None), (1, "/adapters/v00001", None)]
+        store.record_policy("policy", 2, time=3.0, trained_on=["g-2", "g-1"])
+        assert store.latest_policies()["policy"].trained_on == ["g-2", "g-1"]
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 7
+    columns = {r[1]: (r[2], r[3]) for r in conn.execute("PRAGMA table_info(policies)")}
+    assert columns["trained_on"] == ("TEXT", 0)  # nullable text: a JSON list of group ids
+    assert conn.execute("SELECT trained_on FROM policies ORDER BY publish_id").fetchall() == [
+        (None,), (None,), ('["g-2","g-1"]',)]
+    assert conn.execute("SELECT name FROM _lightning_rl_migrations WHERE version = 7").fetchone()[0].startswith(
+        "policy lineage")
+    conn.close()
+    with SQLiteStore(path) as store:  # opened again: nothing to migrate, nothing lost
+        assert [p.trained_on for p in store.policies()] == [None, None, ["g-2", "g-1"]]
