@@ -255,6 +255,8 @@ class LLMCall(_Record):
     response_logprobs: list[float] | None = None
     token_ids_source: TokenIdsSource = TokenIdsSource.MISSING
     policy_version: int | None = None
+    #: The version live when the call ended, only when a publish landed while it ran (else None).
+    policy_version_end: int | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     finish_reason: str | None = None
     streamed: bool = False

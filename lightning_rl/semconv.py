@@ -38,6 +38,9 @@ RESPONSE_TOKEN_IDS = "lightning_rl.response_token_ids"
 RESPONSE_LOGPROBS = "lightning_rl.response_logprobs"
 TOKEN_IDS_SOURCE = "lightning_rl.token_ids.source"
 POLICY_VERSION = "lightning_rl.policy.version"
+# Set only when a publish landed while the call ran: the version live at its end. vLLM swaps a LoRA in
+# place, so the tokens after the swap came from the newer weights (their log-probs say so).
+POLICY_VERSION_END = "lightning_rl.policy.version_end"
 LLM_CALL_INDEX = "lightning_rl.llm_call.index"
 REWARD_VALUE = "lightning_rl.reward.value"
 STREAMED = "lightning_rl.streamed"

@@ -134,6 +134,7 @@ class LLMCall:
         hint = _llm_hint.get()
         self.agent = (hint.agent if hint is not None else None) or current_agent_name()
         self.model = request.get("model")
+        self.version = tracing.policy_version(self.model)
         self.done = False
         self.streamed = False
         self.choices: dict[int, _Choice] = {}
@@ -148,7 +149,7 @@ class LLMCall:
             semconv.GEN_AI_PROVIDER_NAME: "openai",
             semconv.ROLLOUT_ID: state.rollout_id,
             semconv.LLM_CALL_INDEX: self.index,
-            semconv.POLICY_VERSION: state.call_version(tracing.policy_version(self.model)),
+            semconv.POLICY_VERSION: state.call_version(self.version),
             semconv.GEN_AI_INPUT_MESSAGES: _dumps(messages),
         }
         if self.model is not None:
@@ -331,6 +332,9 @@ class LLMCall:
                 common[semconv.INCOMPLETE] = True
             if self.streamed:
                 common[semconv.STREAMED] = True
+            version_end = tracing.policy_version(self.model)
+            if version_end != self.version:  # a publish landed while the call ran
+                common[semconv.POLICY_VERSION_END] = version_end
             indices = sorted(self.choices) or [0]
             first = self.choices.get(indices[0], _Choice())
             span = self.span

@@ -58,6 +58,7 @@ def llm_call_from_span(span: Span) -> LLMCall:
         tool_calls=_tool_calls(output),
         token_ids_source=TokenIdsSource(source),
         policy_version=a.get(semconv.POLICY_VERSION),
+        policy_version_end=a.get(semconv.POLICY_VERSION_END),
         sampling_params=_json(a.get(semconv.SAMPLING_PARAMS), {}),
         finish_reason=(finish[0] if finish else None),
         streamed=bool(a.get(semconv.STREAMED, False)),

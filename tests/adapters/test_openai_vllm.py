@@ -121,6 +121,29 @@ def test_stream_abandoned_early_is_recorded_incomplete(traced, client):
     assert call.incomplete and call.streamed
 
 
+def test_a_publish_during_a_call_is_recorded_on_its_span(traced, client):
+    """vLLM swaps a LoRA in place: a call running through a publish says so (version at start and end)."""
+    tracing.set_policy_version(3, model="tiny")
+
+    @lrl.trace
+    def agent(q):
+        steady = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+        stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, stream=True,
+                                                extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 2:
+                tracing.set_policy_version(4, model="tiny")  # the trainer published while tokens streamed
+        return steady
+
+    try:
+        agent("q")
+    finally:
+        tracing.reset_policy_versions()
+    steady, through = next(traced.trajectories()).llm_calls
+    assert (steady.policy_version, steady.policy_version_end) == (3, None)
+    assert (through.policy_version, through.policy_version_end) == (3, 4)
+
+
 def test_capture_switched_off_is_recorded_as_missing_and_reported(traced, client):
     lrl.configure(capture_token_ids=False)
 
