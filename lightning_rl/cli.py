@@ -180,13 +180,29 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
 @click.option("--lr", type=float, default=2e-4, show_default=True)
 @click.option("--interval", type=float, default=10.0, show_default=True, help="local: seconds between checks.")
 @click.option("--max-updates", type=int, default=None, help="local: stop after N updates (default: run forever).")
+@click.option("--replay", "replay_store", default=None, metavar="STORE",
+              help="local: train on the rollouts already in STORE, running no agent (the batches of the run "
+                   "recorded there); adapters and metrics go to --out.")
+@click.option("--seed", type=int, default=0, show_default=True, help="replay: the run's seed.")
+@click.option("--steps", type=int, default=None, help="replay: stop after N updates (default: every batch).")
+@click.option("--tasks-per-step", type=int, default=None,
+              help="replay: groups per batch, for a store whose publishes do not say what they were trained on.")
+@click.option("--max-staleness", type=int, default=0, show_default=True,
+              help="replay: the run's max_staleness (samples more versions behind are dropped).")
+@click.option("--credit", default="final", show_default=True, help="replay: the run's credit rule.")
+@click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True)
+@click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED",
+              help="replay: a team's policy per agent, as in Trainer(policies=...); repeat for each agent.")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @_errors
 def train(backend, continuous, agent, print_command, store, model_dir, server_url, served_name, out, min_new,
-          max_policy_lag, reward_name, lr, interval, max_updates, overrides) -> None:
-    """Train the served model: continuously from production traffic (local), or with verl.
+          max_policy_lag, reward_name, lr, interval, max_updates, replay_store, seed, steps, tasks_per_step,
+          max_staleness, credit, level, policies, overrides) -> None:
+    """Train the served model: continuously from production traffic (local), or with verl; or replay a run.
 
     Example: lightning-rl train --continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000
+
+    Example: lightning-rl train --replay runs.db --model-dir base/ --lr 1e-3 --out .cache/replay
 
     Example: lightning-rl train --backend verl --agent my_pkg.agents:solve data.train_files=tasks.parquet trainer.n_gpus_per_node=8
 
@@ -211,6 +227,13 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
         raise SystemExit(subprocess.call(command, env=os.environ.copy()))
     if overrides:
         raise ConfigurationError(f"unexpected arguments {list(overrides)!r}; Hydra overrides go with --backend verl")
+    if replay_store is not None:
+        if continuous:
+            raise ConfigurationError("--replay trains on a stored run, --continuous on live traffic: give one")
+        _replay(replay_store, model_dir=model_dir, out=out, served_name=served_name, lr=lr, seed=seed, steps=steps,
+                tasks_per_step=tasks_per_step, max_staleness=max_staleness, credit=credit, level=level,
+                policies=policies)
+        return
     if not continuous:
         raise ConfigurationError(
             "the local backend trains from the command line in --continuous mode; train over a task set with "
@@ -228,6 +251,50 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
     trainer.start()
     click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
     trainer.run(interval=interval, max_updates=max_updates)
+
+
+def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: str, lr: float, seed: int,
+            steps: int | None, tasks_per_step: int | None, max_staleness: int, credit: str, level: str,
+            policies: tuple[str, ...]) -> None:
+    from pathlib import Path
+
+    from .errors import ConfigurationError
+    from .store.uri import open_store
+    from .trainer_bridge.local import LocalConfig
+    from .trainer_bridge.sources import StoredGroups
+    from .trainer_bridge.trainer import Trainer
+
+    if not model_dir:
+        raise ConfigurationError("--replay needs --model-dir, the base model the run trained (its LoRA starts anew)")
+    team = {}
+    for item in policies:
+        name, sep, served = item.partition("=")
+        if not sep or not name or not served:
+            raise ConfigurationError(f"--policy {item!r} is not AGENT=SERVED (e.g. --policy planner=planner-lora)")
+        team[name] = served
+    source_store = _open(replay_store)
+    if not team and served_name == "policy":  # the default: take the run's one served name
+        names = sorted({p.served_name for p in source_store.policies()})
+        if len(names) > 1:
+            raise ConfigurationError(f"{replay_store} has publishes of {names}: a team; give --policy AGENT=SERVED "
+                                     "for each agent, or --served-name for the one policy to replay")
+        served_name = names[0] if names else served_name
+    source = StoredGroups(source_store, credit=credit, tasks_per_step=tasks_per_step, steps=steps)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    record = open_store(f"sqlite:///{out_dir / 'replay.db'}")  # the replay's own publishes, not the run's store
+    trainer = Trainer(agent=None, tasks=(), store=record, model_dir=model_dir, server_url=None, out_dir=out_dir,
+                      served_name=served_name, policies=team or None, steps=len(source.batches), seed=seed,
+                      credit=credit, level=level, max_staleness=max_staleness, source=source,
+                      local=LocalConfig(lr=lr), progress=False)
+    how = "what each publish was trained on" if source.from_lineage else f"train groups, {tasks_per_step} a batch"
+    click.echo(f"replaying {len(source.batches)} batches from {replay_store} ({how})", err=True)
+    result = trainer.fit()
+    for line in result.history:
+        click.echo(json.dumps({k: line.get(k) for k in ("step", "samples", "loss", "pg_clipfrac",
+                                                        "samples_dropped_stale", "policy_version")}))
+    record.close()
 
 
 @main.group("store")

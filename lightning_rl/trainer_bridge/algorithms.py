@@ -127,7 +127,9 @@ def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     log_ratio = torch.clamp(old_log_prob - rollout_log_prob, min=-20.0, max=20.0)
     raw = torch.exp(log_ratio) * response_mask
     weights = raw.clamp(max=threshold)
+    on = response_mask.bool()
     return weights, {"rollout_is_mean": masked_mean(raw, response_mask).item(),
+                     "rollout_is_max": raw[on].max().item() if bool(on.any()) else 0.0,
                      "rollout_is_truncated_frac": masked_mean((raw > threshold).float(), response_mask).item()}
 
 

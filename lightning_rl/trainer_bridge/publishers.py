@@ -35,10 +35,13 @@ class Publisher(Protocol):
         ...
 
 
-def publish_and_record(publisher: Publisher, store: Any, model: Any, version: int) -> None:
-    """Publish ``version`` and record the publish in ``store`` once it is live."""
+def publish_and_record(publisher: Publisher, store: Any, model: Any, version: int,
+                       trained_on: Sequence[str] | None = None) -> None:
+    """Publish ``version`` and record the publish in ``store`` once it is live, with the groups it was
+    trained on when given (a replay rebuilds the run's batches from them)."""
     adapter = publisher.publish(model, version)
-    store.record_policy(publisher.served_name, version, adapter=None if adapter is None else str(adapter))
+    store.record_policy(publisher.served_name, version, adapter=None if adapter is None else str(adapter),
+                        **({"trained_on": list(trained_on)} if trained_on is not None else {}))
 
 
 PUBLISHERS: dict[str, Callable[..., Publisher]] = {}
@@ -90,6 +93,20 @@ def check_served(server_url: str, names: Sequence[str], timeout: float = 30.0) -
         if "parent" in model and model["parent"] is None:
             raise ConfigurationError(f"{name!r} is the base model's own name on {server_url}; give the policy "
                                      f"another served name (its LoRA is loaded under it)")
+
+
+@register_publisher("adapter_dir")
+class AdapterDirPublisher:
+    """Save each version's adapter under ``adapter_dir/vNNNNN`` and serve nothing (a replay)."""
+
+    def __init__(self, *, adapter_dir: str | Path, served_name: str = "policy") -> None:
+        self.adapter_dir = Path(adapter_dir)
+        self.served_name = served_name
+
+    def publish(self, model: Any, version: int) -> str:
+        path = (self.adapter_dir / f"v{version:05d}").resolve()
+        model.save_pretrained(str(path))
+        return str(path)
 
 
 @register_publisher("vllm_lora")

@@ -22,6 +22,7 @@ lease has already run out when its agent would start is not run at all (its retr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import inspect
 import os
@@ -42,7 +43,7 @@ from ..tracer import rollout_overrides
 class Runner:
     def __init__(self, store: Store, agent: Callable[[Any], Any], *, runner_id: str | None = None,
                  concurrency: int = 8, lease_seconds: float = 60.0, rollout_timeout: float | None = 120.0,
-                 poll: float = 0.05, loop: asyncio.Runner | None = None) -> None:
+                 poll: float = 0.05, loop: asyncio.Runner | LoopThread | None = None) -> None:
         self.store = store
         self.agent = agent
         self.runner_id = runner_id or f"runner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -70,6 +71,7 @@ class Runner:
         async def groups_done() -> bool:  # others' leases may still expire and come back
             return await self._store_call(self.store.wait_for_groups, groups, timeout=0)
 
+        self._stopping = False
         self._run(self._drive(groups_done, on_done=on_done))
 
     def serve(self, *, idle_exit: float | None = None, max_rollouts: int | None = None) -> int:
@@ -80,11 +82,21 @@ class Runner:
         async def idle_long_enough() -> bool:
             return idle_exit is not None and time.monotonic() - self._last_busy >= idle_exit
 
+        self._stopping = False
         return self._run(self._drive(idle_long_enough, max_rollouts=max_rollouts))
 
     def stop(self) -> None:
-        """Lease nothing more; the tries in hand finish, then ``serve`` returns."""
+        """Lease nothing more; the tries in hand finish, then ``serve`` (or ``work``) returns."""
         self._stopping = True
+
+    async def work(self) -> int:
+        """Lease and run tries from the queue until ``stop()``, on the running loop (a trainer runs
+        it in the background while it updates). Returns how many tries ran."""
+
+        async def never() -> bool:
+            return False
+
+        return await self._drive(never)
 
     def _run(self, coro: Any) -> Any:
         if self._aio is None:
@@ -100,7 +112,6 @@ class Runner:
         Returns how many tries ran."""
         running: set[asyncio.Task] = set()
         ran = 0
-        self._stopping = False
         self._last_busy = time.monotonic()
         while True:
             free = self.concurrency - len(running)
@@ -236,6 +247,61 @@ class Runner:
                 if time.monotonic() >= deadline:
                     return  # the lease expires and the try is retried; its rollout is kept
                 await asyncio.sleep(1.0)
+
+
+class LoopThread:
+    """One asyncio event loop in a thread of its own, for every runner of a trainer.
+
+    ``run(coro)`` waits for a coroutine there; ``submit(coro)`` starts one and returns a
+    ``concurrent.futures.Future`` (the overlapped loop runs its runner so while it updates). Both run
+    the coroutine in a copy of the caller's context. One loop for the whole run: async clients (an
+    AsyncOpenAI connection pool) are bound to the loop they first ran on."""
+
+    def __init__(self, name: str = "lightning-rl-loop") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Any) -> "concurrent.futures.Future[Any]":
+        ctx = contextvars.copy_context()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def settle(task: asyncio.Task) -> None:
+            if task.cancelled():
+                future.set_exception(asyncio.CancelledError())
+            elif task.exception() is not None:
+                future.set_exception(task.exception())
+            else:
+                future.set_result(task.result())
+
+        def start() -> None:
+            if not future.set_running_or_notify_cancel():
+                coro.close()
+                return
+            self._loop.create_task(coro, context=ctx).add_done_callback(settle)
+
+        self._loop.call_soon_threadsafe(start)
+        return future
+
+    def run(self, coro: Any) -> Any:
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        """Cancel what still runs there, then stop and close the loop."""
+        if self._loop.is_closed():
+            return
+
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            await self._loop.shutdown_asyncgens()
+
+        self.run(cancel_rest())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 class _LeaseGone(Exception):

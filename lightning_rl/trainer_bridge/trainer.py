@@ -8,6 +8,16 @@ with ``failure_reward``; a group with an infrastructure failure is left out whol
 (``trainer_bridge/failures.py``). Everything left out is counted in the line. Optional held-out
 evaluation before and after (``mode="eval"``). ``plot_metrics`` draws reward against step.
 
+Where the batches come from is a sample source (``sources.py``): by default the task set, run live,
+synchronously or overlapped. ``overlap=True, max_staleness=k``: the runner keeps taking tasks while
+the trainer updates, a batch is the first ``tasks_per_step`` groups to complete, and new weights go
+live while rollouts are in flight; each sample carries the policy version its call was served by
+(the span's), and samples more than k versions behind the policy being updated are dropped and
+counted (``samples_dropped_stale``; ``staleness``: a histogram of versions behind). ``max_staleness=0``
+is the synchronous loop, by the same code. ``source=StoredGroups(store)`` replays a run already in a
+store (nothing runs; ``lightning-rl train --replay``). Every publish records the groups it was
+trained on (``PolicyRecord.trained_on``).
+
 Teams: ``policies={"planner": "planner-lora", "solver": "solver-lora"}`` maps each agent to the served
 name of its own LoRA on the one base model (two agents may share one). Each policy is an adapter of
 the local backend, published and versioned on its own; a step routes samples by the served name
@@ -17,7 +27,6 @@ Without ``policies``, every agent trains the one policy served as ``served_name`
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import random
@@ -34,7 +43,8 @@ from ..store.samples import SampleStats, route_by_policy, trajectory_samples
 from .failures import INFRA_ERRORS, FailureCounts, failure_kind, with_failure_reward
 from .local import LocalBackend, LocalConfig
 from .publishers import Publisher, check_served, make_publisher, publish_and_record
-from .runner import Runner, run_in_processes
+from .runner import LoopThread, Runner, run_in_processes
+from .sources import LiveGroups, SampleSource, StepBatch, read_groups
 
 BACKENDS = ("local",)
 
@@ -50,11 +60,11 @@ class TrainResult:
 
 @dataclass
 class Trainer:
-    agent: Callable[[Any], Any]
+    agent: Callable[[Any], Any] | None  # None only with source= (a replay runs no agent)
     tasks: Sequence[Any]
     store: Store
     model_dir: str | Path
-    server_url: str
+    server_url: str | None  # None only with source=: adapters are saved, not served
     backend: str = "local"
     served_name: str = "policy"
     out_dir: str | Path = ".cache/train"
@@ -78,14 +88,25 @@ class Trainer:
     processes: int = 0  # > 0: sync agents run in this many worker processes (SQLite store, importable agent)
     failure_reward: float = 0.0  # the reward of a rollout the model made fail (it is trained on)
     infra_errors: frozenset[str] = INFRA_ERRORS  # error types that are not the model's: their group is dropped
+    overlap: bool = False  # rollouts go on while the trainer updates (bounded by max_staleness)
+    max_staleness: int | None = None  # versions a sample may be behind (None: 1 with overlap, else 0)
+    source: SampleSource | None = None  # None: the task set, run live (sources.LiveGroups)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise UnknownNameError(
                 f"unknown backend {self.backend!r}; known: {', '.join(BACKENDS)} (verl comes with the verl bridge)"
             )
-        if not self.tasks:
-            raise ConfigurationError("Trainer needs at least one task")
+        if self.source is None:
+            if not callable(self.agent):
+                raise ConfigurationError(f"Trainer needs the agent to run (a traced function), got {self.agent!r}; "
+                                         "only a replay (source=StoredGroups(store)) runs none")
+            if not self.tasks:
+                raise ConfigurationError("Trainer needs at least one task")
+            if not self.server_url:
+                raise ConfigurationError("Trainer needs server_url, the vLLM server its agent calls and its new "
+                                         "weights are loaded into (only a replay, source=, trains without one)")
+        self.max_staleness = self._check_staleness()
         if self.n < 2 and self.local.adv_estimator == "grpo":
             raise ConfigurationError(
                 f"GRPO compares the tries of a task, so it needs n >= 2 (got n={self.n}); raise n, or use "
@@ -98,7 +119,18 @@ class Trainer:
         self._runners: dict[int, Runner] = {}
         # One event loop for every runner of this trainer (evaluation and training): async clients
         # such as AsyncOpenAI's connection pool are bound to the loop they first ran on.
-        self._loop: asyncio.Runner | None = None
+        self._loop: LoopThread | None = None
+
+    def _check_staleness(self) -> int:
+        k = self.max_staleness
+        if k is None:
+            return 1 if self.overlap else 0
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigurationError(f"max_staleness must be an int >= 0 (versions a sample may be behind), got {k!r}")
+        if k and not self.overlap and self.source is None:
+            raise ConfigurationError(f"max_staleness={k} lets samples be {k} version(s) behind, which happens only "
+                                     "when rollouts overlap updates: set overlap=True, or max_staleness=0")
+        return k
 
     def _check_policies(self) -> list[str]:
         """The served names trained, in order; with ``policies``, the agents to train default to its keys."""
@@ -127,26 +159,47 @@ class Trainer:
         return list(dict.fromkeys(self.policies.values()))
 
     # -- rollouts -----------------------------------------------------------------------------------
-    def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
-        groups = [self.store.enqueue(task, n=n, mode=mode)[0].group_id for task in tasks]
-        if self.processes and not inspect.iscoroutinefunction(agent):
-            codes = run_in_processes(self.store.url, agent, groups, processes=self.processes,
-                                     lease_seconds=self.lease_seconds, rollout_timeout=self.rollout_timeout)
-            if any(codes):
-                raise RuntimeError(f"worker processes exited with {codes}; see their output above")
-            self.store.flush()
-            return groups
-        bar = _bar(len(tasks) * n, desc, self.progress)
+    def _in_processes(self, agent: Callable[[Any], Any]) -> bool:
+        return bool(self.processes) and not inspect.iscoroutinefunction(agent)
+
+    def _run_in_processes(self, agent: Callable[[Any], Any], groups: list[str]) -> None:
+        codes = run_in_processes(self.store.url, agent, groups, processes=self.processes,
+                                 lease_seconds=self.lease_seconds, rollout_timeout=self.rollout_timeout)
+        if any(codes):
+            raise RuntimeError(f"worker processes exited with {codes}; see their output above")
+        self.store.flush()
+
+    def _runner(self, agent: Callable[[Any], Any]) -> Runner:
+        """One runner per agent for the whole run, all on the trainer's one event loop (a thread)."""
         runner = self._runners.get(id(agent))
-        if runner is None:  # one runner per agent for the whole run, all on the trainer's one loop
+        if runner is None:
             if self._loop is None:
-                self._loop = asyncio.Runner()
+                self._loop = LoopThread()
             runner = self._runners[id(agent)] = Runner(
                 self.store, agent, concurrency=self.concurrency, lease_seconds=self.lease_seconds,
                 rollout_timeout=self.rollout_timeout, loop=self._loop)
-        runner.run_until_done(groups, on_done=lambda entry, outcome: bar.update(1))
+        return runner
+
+    def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:
+        groups = [self.store.enqueue(task, n=n, mode=mode)[0].group_id for task in tasks]
+        if self._in_processes(agent):
+            self._run_in_processes(agent, groups)
+            return groups
+        bar = _bar(len(tasks) * n, desc, self.progress)
+        self._runner(agent).run_until_done(groups, on_done=lambda entry, outcome: bar.update(1))
         bar.close()
         return groups
+
+    def live_source(self) -> LiveGroups:
+        """The task set, run by this trainer's runner (``fit``'s source unless ``source=`` is given)."""
+        common = dict(n=self.n, tasks_per_step=self.tasks_per_step, steps=self.steps,
+                      max_staleness=self.max_staleness, credit=self.credit, rng=self._rng)
+        if self._in_processes(self.agent):
+            return LiveGroups(self.store, self.tasks, run_now=lambda groups: self._run_in_processes(self.agent, groups),
+                              **common)
+        runner = self._runner(self.agent)
+        return LiveGroups(self.store, self.tasks, work=lambda: self._loop.submit(runner.work()), stop=runner.stop,
+                          **common)
 
     def _outcomes(self, groups: Sequence[str]) -> tuple[list[str], dict[str, int]]:
         entries = self.store.queue_entries(groups)
@@ -156,25 +209,22 @@ class Trainer:
         return [e.rollout_id for e in entries if e.outcome == RolloutStatus.SUCCEEDED], counts
 
     def step_batch(self, groups: Sequence[str]) -> tuple[list[Sample], list[float], dict[str, Any]]:
-        """The samples of these groups (failures handled as the module says), the reward of each trained
-        rollout, and the counts for the metrics line: outcomes, failures by kind, groups dropped, prefix
-        splits, calls without engine token ids, samples without a reward."""
-        entries = self.store.queue_entries(groups)
-        outcomes: dict[str, int] = {}
-        by_group: dict[str, list] = {}
-        for e in entries:
-            outcomes[str(e.outcome)] = outcomes.get(str(e.outcome), 0) + 1
-            by_group.setdefault(e.group_id, []).append(e)
+        """The samples of these groups in this trainer's store (``batch_samples``)."""
+        return self.batch_samples(read_groups(self.store, groups, credit=self.credit))
+
+    def batch_samples(self, batch: StepBatch) -> tuple[list[Sample], list[float], dict[str, Any]]:
+        """The samples of a batch's groups (failures handled as the module says), the reward of each
+        trained rollout, and the counts for the metrics line: outcomes, failures by kind, groups dropped,
+        prefix splits, calls without engine token ids, samples without a reward."""
         failures, stats = FailureCounts(), SampleStats()
         samples: list[Sample] = []
         rewards: list[float] = []
-        for group in by_group.values():
-            trajectories = [self.store.trajectory(e.rollout_id, credit=self.credit) for e in group]  # assembled once
+        for trajectories in batch.groups:
             kinds = [failure_kind(t, self.infra_errors) for t in trajectories]
             if "infra" in kinds:
                 failures.infra_failures += kinds.count("infra")
                 failures.groups_dropped += 1
-                failures.tries_dropped += len(group)
+                failures.tries_dropped += len(trajectories)
                 continue
             for traj, kind in zip(trajectories, kinds):
                 found, s = trajectory_samples(traj, level=self.level, agents=self.agents)
@@ -190,7 +240,7 @@ class Trainer:
                         stats.skipped_unrewarded += 1
                     else:
                         samples.append(sample)
-        counts = {"outcomes": outcomes, **failures.as_metrics(), "prefix_splits": stats.splits,
+        counts = {"outcomes": dict(batch.outcomes), **failures.as_metrics(), "prefix_splits": stats.splits,
                   "calls_without_engine_ids": stats.missing_token_ids, "unrewarded_samples": stats.skipped_unrewarded}
         return samples, rewards, counts
 
@@ -204,13 +254,44 @@ class Trainer:
         return sum(rewards) / max(1, len(rewards))
 
     # -- the loop -----------------------------------------------------------------------------------
+    def drop_stale(self, samples: Sequence[Sample], versions: Mapping[str, int],
+                   default_policy: str | None = None) -> tuple[list[Sample], dict[str, Any]]:
+        """Samples at most ``max_staleness`` versions behind the policy they train (the version their
+        call was served by, from its span, against the policy's version now), and the counts: a
+        histogram of versions behind, the samples dropped as too stale, and those whose call carried no
+        version or went to a served name this trainer does not publish (kept, not judged). A call that
+        named no served model counts as ``default_policy``'s (one policy: the trainer's)."""
+        kept: list[Sample] = []
+        behind: dict[str, int] = {}
+        dropped = unversioned = 0
+        for sample in samples:
+            policy = sample.policy if sample.policy is not None else default_policy
+            current = versions.get(policy) if policy is not None else None
+            if current is None or sample.policy_version is None:
+                unversioned += 1
+                kept.append(sample)
+                continue
+            lag = current - sample.policy_version
+            behind[str(lag)] = behind.get(str(lag), 0) + 1
+            if lag > self.max_staleness:
+                dropped += 1
+            else:
+                kept.append(sample)
+        return kept, {"staleness": dict(sorted(behind.items(), key=lambda kv: int(kv[0]))),
+                      "samples_dropped_stale": dropped, "samples_unversioned": unversioned}
+
+    def _publisher(self, name: str, adapters: Path, team: bool) -> Publisher:
+        folder = adapters / name if team else adapters
+        if self.publisher is not None:
+            return self.publisher
+        if self.server_url is None:  # a replay: the adapters are saved, nothing is served
+            return make_publisher("adapter_dir", adapter_dir=folder, served_name=name)
+        return make_publisher("vllm_lora", server_url=self.server_url, served_name=name, adapter_dir=folder)
+
     def fit(self) -> TrainResult:
         team = self.policies is not None
         backend = LocalBackend(self.model_dir, self.local, seed=self.seed, policies=self._served if team else None)
-        adapters = self.out_dir / "adapters"
-        publishers = {name: self.publisher or make_publisher("vllm_lora", server_url=self.server_url, served_name=name,
-                                                             adapter_dir=adapters / name if team else adapters)
-                      for name in self._served}
+        publishers = {name: self._publisher(name, self.out_dir / "adapters", team) for name in self._served}
 
         def weights(name: str) -> Any:
             return backend.adapter(name) if team else backend.model
@@ -218,7 +299,7 @@ class Trainer:
         versions = dict.fromkeys(self._served, 0)
         for name in self._served:
             publish_and_record(publishers[name], self.store, weights(name), 0)
-        if team:
+        if team and self.server_url is not None:
             check_served(self.server_url, self._served)
         started = time.time()
         history: list[dict[str, Any]] = []
@@ -227,47 +308,68 @@ class Trainer:
             result.eval_before = self.evaluate()
             self._log(history, {"step": 0, "eval_success": result.eval_before, "policy_version": 0, "time_s": 0.0})
         steps = _bar(self.steps, "train steps", self.progress)
-        for step in range(self.steps):
-            batch = [self.tasks[self._rng.randrange(len(self.tasks))] for _ in range(self.tasks_per_step)]
-            groups = self._run_groups(self.agent, batch, self.n, "train", f"rollouts step {step + 1}")
-            samples, rewards, counts = self.step_batch(groups)
-            line: dict[str, Any] = {"step": step + 1, **counts, "train_reward": sum(rewards) / max(1, len(rewards))}
-            if team:
-                stats = SampleStats()
-                routed = route_by_policy(samples, self._served, stats)
-                line["samples_unrouted"] = stats.unrouted  # calls to a served name no policy trains
-                line["samples_off_their_policy"] = sum(  # an agent's call served under another agent's policy
-                    1 for s in samples if s.agent_name in self.policies and s.policy != self.policies[s.agent_name])
-            else:
-                routed = {self.served_name: samples}
-            per_policy: dict[str, dict[str, Any]] = {}
-            for name, found in routed.items():
-                per_policy[name] = {"samples": len(found)}
-                if found:
-                    per_policy[name].update(backend.update(found, policy=name if team else None))
-                    versions[name] += 1
-                    publish_and_record(publishers[name], self.store, weights(name), versions[name])
-                per_policy[name]["policy_version"] = versions[name]
-            if team:
-                memory = backend.memory()
-                for name in self._served:
-                    per_policy[name].update(memory["policies"][name])
-                line["policies"], line["base_mb"] = per_policy, memory["base_mb"]
-            elif samples:
-                line.update({k: v for k, v in per_policy[self.served_name].items() if k != "policy_version"})
-            line["policy_version"] = max(versions.values())
-            line["time_s"] = round(time.time() - started, 1)
-            self._log(history, line)
-            steps.update(1)
-            steps.set_postfix(reward=f"{line['train_reward']:.2f}")
-        steps.close()
+        source = self.source if self.source is not None else self.live_source()
+        source.start()
+        try:
+            for step in range(self.steps):
+                batch = source.next_batch()
+                if batch is None:
+                    break
+                updating = time.monotonic()
+                line = self._train_step(step + 1, batch, backend, publishers, weights, versions)
+                source.published(step + 1)
+                line["update_s"] = round(time.monotonic() - updating, 3)  # samples, update and publish
+                line["time_s"] = round(time.time() - started, 1)
+                self._log(history, line)
+                steps.update(1)
+                steps.set_postfix(reward=f"{line['train_reward']:.2f}")
+        finally:
+            source.close()
+            steps.close()
         if self.eval_tasks:
             result.eval_after = self.evaluate()
-            self._log(history, {"step": self.steps, "eval_success": result.eval_after,
-                                "policy_version": history[-1]["policy_version"], "time_s": round(time.time() - started, 1)})
+            self._log(history, {"step": sum(1 for x in history if "train_reward" in x),
+                                "eval_success": result.eval_after, "policy_version": max(versions.values()),
+                                "time_s": round(time.time() - started, 1)})
         result.plot_path = plot_metrics(self.metrics_path, self.out_dir / "reward.png")
         self.close()
         return result
+
+    def _train_step(self, step: int, batch: StepBatch, backend: LocalBackend, publishers: Mapping[str, Publisher],
+                    weights: Callable[[str], Any], versions: dict[str, int]) -> dict[str, Any]:
+        """One update from one batch: samples, the stale ones dropped, each policy updated on its own
+        samples and published (recording the batch's groups); returns the metrics line."""
+        team = self.policies is not None
+        samples, rewards, counts = self.batch_samples(batch)
+        samples, stale = self.drop_stale(samples, versions, default_policy=None if team else self.served_name)
+        line: dict[str, Any] = {"step": step, **counts, "train_reward": sum(rewards) / max(1, len(rewards)),
+                                **stale, **batch.metrics}
+        if team:
+            stats = SampleStats()
+            routed = route_by_policy(samples, self._served, stats)
+            line["samples_unrouted"] = stats.unrouted  # calls to a served name no policy trains
+            line["samples_off_their_policy"] = sum(  # an agent's call served under another agent's policy
+                1 for s in samples if s.agent_name in self.policies and s.policy != self.policies[s.agent_name])
+        else:
+            routed = {self.served_name: samples}
+        per_policy: dict[str, dict[str, Any]] = {}
+        for name, found in routed.items():
+            per_policy[name] = {"samples": len(found)}
+            if found:
+                per_policy[name].update(backend.update(found, policy=name if team else None))
+                versions[name] += 1
+                publish_and_record(publishers[name], self.store, weights(name), versions[name],
+                                   trained_on=batch.group_ids)
+            per_policy[name]["policy_version"] = versions[name]
+        if team:
+            memory = backend.memory()
+            for name in self._served:
+                per_policy[name].update(memory["policies"][name])
+            line["policies"], line["base_mb"] = per_policy, memory["base_mb"]
+        elif samples:
+            line.update({k: v for k, v in per_policy[self.served_name].items() if k != "policy_version"})
+        line["policy_version"] = max(versions.values())
+        return line
 
     def close(self) -> None:
         """Stop the runners and their event loop (``fit`` does it at the end)."""

@@ -101,6 +101,8 @@ def test_truncated_importance_weights_by_hand():
     weights, stats = rollout_is_weights(old, engine, mask, threshold=2.0)
     assert torch.allclose(weights, torch.tensor([[1.0, 2.0, 0.5]]), atol=1e-6)
     assert stats["rollout_is_truncated_frac"] == pytest.approx(1 / 3)
+    assert stats["rollout_is_max"] == pytest.approx(3.0)  # before truncation
+    assert stats["rollout_is_mean"] == pytest.approx((1.0 + 3.0 + 0.5) / 3)
     adv = torch.tensor([[1.0, 1.0, 1.0]])
     weighted, _ = ppo_clip_loss(old, old, adv, mask, rollout_is_weights=weights)  # ratio 1: loss = -mean(w * A)
     assert weighted.item() == pytest.approx(-(1.0 + 2.0 + 0.5) / 3, abs=1e-6)

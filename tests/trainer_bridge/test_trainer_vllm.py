@@ -41,6 +41,9 @@ def test_fit_two_steps(traced, vllm_url, tmp_path):
     train = [x for x in lines if "train_reward" in x]
     assert [x["step"] for x in train] == [1, 2]
     assert all(x["policy_version"] == x["step"] for x in train)
+    # synchronous (max_staleness=0): every sample was served by the version being updated, none ran meanwhile
+    assert all(set(x["staleness"]) == {"0"} and x["samples_dropped_stale"] == 0 for x in train)
+    assert all(x["groups_in_flight"] == 0 for x in train)
     # the engine served the weights the trainer computed its proximal log-probs with (processed log-probs)
     assert all(x["optimizer_steps"] >= 1 and x["engine_logprob_gap"] < 1e-3 for x in train)
     evals = [x for x in lines if "eval_success" in x]
