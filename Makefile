@@ -78,7 +78,7 @@ demo-team: all
 demo-spine: all
 	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
 
-bench: venv venv-peer
+bench: all venv-peer
 	$(PY) bench/bench_store_server.py --peer-python .venv-peer/bin/python --json-out .cache/bench-store-server.json
 	$(PY) bench/bench_span_cost.py
 	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
@@ -88,6 +88,7 @@ bench: venv venv-peer
 	$(PY) bench/bench_storage_bytes.py
 	$(PY) bench/bench_capture_cost.py
 	$(PY) bench/bench_policy_memory.py
+	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache

@@ -27,12 +27,13 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import openai
 
 import lightning_rl as lrl
-from lightning_rl.tracer import current_rollout
+from lightning_rl.tracer import current_rollout, tracing
 from lightning_rl.trainer_bridge.local import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
 from lightning_rl.vllm_server import VLLMServer
@@ -56,12 +57,17 @@ def make_tasks(n: int, seed: int, exclude: set[tuple[int, int]] = frozenset()) -
     return out
 
 
-def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float):
+def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float,
+               tool_wait: Callable[[dict, int, int], Awaitable[None]] | None = None):
+    """The calculator agent. ``tool_wait(task, attempt, version)``, when given, is awaited inside each
+    calculator call (a slow tool, for the overlap benchmark)."""
+
     @lrl.trace(agent="calculator")
     async def calculator_agent(task: dict) -> float:
         state = current_rollout()
+        version = tracing.policy_version(model)
         # Reproducible sampling: the seed depends on the task, the attempt and the policy version.
-        seed = zlib.crc32(json.dumps([task, state.attempt, lrl_policy_version()]).encode()) & 0x7FFFFFFF
+        seed = zlib.crc32(json.dumps([task, state.attempt, version]).encode()) & 0x7FFFFFFF
         messages = [{"role": "system", "content": "Be exact."},
                     {"role": "user", "content": f"What is {task['a']}+{task['b']}?"}]
         first = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
@@ -75,17 +81,13 @@ def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float):
             except (ValueError, AttributeError):
                 expression = ""
             with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
+                if tool_wait is not None:
+                    await tool_wait(task, state.attempt, version)
                 tool.result = calculator(expression)
             answer = tool.result  # the agent answers with its tool's result
         return 1.0 if answer.strip() == str(task["a"] + task["b"]) else 0.0
 
     return calculator_agent
-
-
-def lrl_policy_version() -> int:
-    from lightning_rl.tracer import tracing
-
-    return tracing.policy_version("policy")
 
 
 def peak_rss_mb() -> float:

@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Synchronous against overlapped training, side by side in one run (issue 16's benchmark).
+
+The calculator task of the main demo (``examples/calculator_rl``), with a slow, long-tailed tool: each
+calculator call waits a log-normal time (median ``--tool-median`` s, clipped to [``--tool-min``,
+``--tool-max``]), drawn from the task, the try and the policy version, so both loops see the same
+latencies for the same sampled behaviour. For each seed, one synchronous run (``max_staleness=0``) and
+one overlapped run (``overlap=True, max_staleness=--max-staleness``) with the same tasks, seed and
+rollout budget (steps x tasks per step x n), one after the other against one vLLM server.
+
+Held-out success is measured after the runs, not during them (so evaluation costs neither loop any
+time): every published adapter is loaded into vLLM and answers the held-out sums greedily, with the
+tool's wait switched off. A run's time to the level is the publish time of its first version whose
+held-out success reaches ``--level``, counted from the run's start. Also: final success (the last
+version), the trainer's idle fraction (time waiting for rollouts over the run's time) and stale samples
+dropped. The last line is JSON with ``speedup`` (median over seeds of sync time / overlapped time to
+the level), ``final_success_sync`` and ``final_success_overlap`` (means over seeds), and every run.
+
+Fairness: the server is warmed up (its first LoRA requests are slow) before the first run, and the
+order alternates (sync first for even seeds, overlapped first for odd ones). Both processes run with
+``OMP_WAIT_POLICY=PASSIVE`` (set here, inherited by the vLLM server), in both modes: on a CPU-only
+machine the trainer's update and vLLM's generation share the cores, and OpenMP threads that spin
+while waiting starve each other when both compute at once. That happens only in overlapped runs,
+where it made an update of under a second take 30 to 96 seconds in a trial run. Where vLLM and
+the trainer have devices of their own, they do not share cores.
+
+Run: .venv/bin/python bench/bench_overlap.py --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its threads (see the module doc)
+
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
+
+import lightning_rl as lrl  # noqa: E402
+from lightning_rl.tracer import tracing  # noqa: E402
+from lightning_rl.trainer_bridge.local import LocalConfig  # noqa: E402
+from lightning_rl.trainer_bridge.publishers import _post  # noqa: E402
+from lightning_rl.trainer_bridge.trainer import Trainer  # noqa: E402
+from lightning_rl.vllm_server import VLLMServer  # noqa: E402
+from train import make_agent as calculator_agent  # noqa: E402
+from train import make_tasks  # noqa: E402
+
+
+def tool_latency(key: list, median: float, low: float, high: float, sigma: float = 1.0) -> float:
+    """A log-normal wait with a heavy right tail, the same for the same key in every run."""
+    rng = random.Random(zlib.crc32(json.dumps(key).encode()))
+    return min(high, max(low, median * math.exp(sigma * rng.gauss(0.0, 1.0))))
+
+
+def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float, latency: tuple[float, float, float] | None):
+    """The main demo's calculator agent; its tool waits a long-tailed time when ``latency`` is given."""
+
+    async def wait(task: dict, attempt: int, version: int) -> None:
+        await asyncio.sleep(tool_latency([task, attempt, version], *latency))
+
+    return calculator_agent(client, model, temperature, tool_wait=wait if latency is not None else None)
+
+
+def run_once(mode: str, seed: int, args, server_url: str, out: Path) -> dict:
+    """One training run; returns its publishes (version, seconds from start, adapter) and metrics."""
+    tracing.reset_policy_versions()
+    store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
+    client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY", max_retries=0)
+    held_out = make_tasks(args.eval_tasks, seed=10_000 + seed)
+    tasks = make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
+    latency = (args.tool_median, args.tool_min, args.tool_max)
+    overlap = mode == "overlap"
+    trainer = Trainer(agent=make_agent(client, "policy", 1.0, latency), tasks=tasks, store=store,
+                      model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
+                      tasks_per_step=args.tasks_per_step, steps=args.steps, concurrency=args.concurrency,
+                      local=LocalConfig(lr=args.lr), seed=seed, progress=False, overlap=overlap,
+                      max_staleness=args.max_staleness if overlap else 0)
+    started = time.time()
+    result = trainer.fit()
+    wall = time.time() - started
+    train = [x for x in result.history if "train_reward" in x]
+    publishes = [(p.version, p.time - started, p.adapter) for p in store.policies("policy")]
+    store.close()
+    return {"mode": mode, "seed": seed, "wall_s": round(wall, 1), "publishes": publishes,
+            "idle_frac": round(sum(x.get("idle_s", 0.0) for x in train) / wall, 3),
+            "dropped_stale": sum(x.get("samples_dropped_stale", 0) for x in train),
+            "train_reward": [round(x["train_reward"], 3) for x in train], "held_out": held_out}
+
+
+def evaluate_versions(publishes: list, held_out: list[dict], server_url: str, concurrency: int) -> list[float]:
+    """Held-out greedy success of each published version (loaded as ``bench-eval``; no tool wait), all on
+    one event loop (the async client is bound to the loop it first ran on)."""
+    tracing.reset_policy_versions()
+    store = lrl.configure(store="memory://")
+
+    async def all_versions() -> list[float]:
+        client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY", max_retries=0)
+        agent = make_agent(client, "bench-eval", 0.0, None)
+        sem = asyncio.Semaphore(concurrency)
+        failures = 0
+
+        async def one(task: dict) -> float:
+            nonlocal failures
+            async with sem:
+                try:
+                    return await agent(task)
+                except Exception:  # noqa: BLE001 - a failed answer is a miss, counted
+                    failures += 1
+                    return 0.0
+
+        scores = []
+        for _, _, adapter in publishes:
+            await asyncio.to_thread(_post, f"{server_url}/v1/load_lora_adapter",
+                                    {"lora_name": "bench-eval", "lora_path": adapter, "load_inplace": True}, 120.0)
+            rewards = await asyncio.gather(*(one(t) for t in held_out))
+            scores.append(sum(rewards) / len(rewards))
+        await client.close()
+        if failures:
+            print(f"  ({failures} held-out answers failed and count as misses)", flush=True)
+        return scores
+
+    scores = asyncio.run(all_versions())
+    store.close()
+    return scores
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--tasks-per-step", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=64, help="tries in flight (the tool waits, it does not compute)")
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--level", type=float, default=0.8, help="held-out success the time is measured to")
+    parser.add_argument("--eval-tasks", type=int, default=40)
+    parser.add_argument("--tool-median", type=float, default=0.8)
+    parser.add_argument("--tool-min", type=float, default=0.2)
+    parser.add_argument("--tool-max", type=float, default=5.0)
+    parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
+    parser.add_argument("--out", default=str(ROOT / ".cache" / "bench-overlap"))
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    with VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16, max_loras=2,
+                    log_path=out / "vllm.log") as server:
+        warm = out / "warm-up"  # the server's first LoRA requests are slow: paid here, by neither run
+        shutil.rmtree(warm, ignore_errors=True)
+        warm.mkdir(parents=True)
+        warm_adapter = run_once("sync", args.seeds[0], argparse.Namespace(**{**vars(args), "steps": 1}),
+                                server.url, warm)["publishes"][0]
+        evaluate_versions([warm_adapter], make_tasks(8, seed=1), server.url, args.concurrency)
+        for seed in args.seeds:
+            for mode in (("sync", "overlap") if seed % 2 == 0 else ("overlap", "sync")):
+                folder = out / f"{mode}-seed{seed}"
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                run = run_once(mode, seed, args, server.url, folder)
+                run["success"] = evaluate_versions(run["publishes"], run["held_out"], server.url, args.concurrency)
+                reached = [t for (v, t, _), s in zip(run["publishes"], run["success"]) if s >= args.level]
+                run["time_to_level_s"] = round(reached[0], 1) if reached else None
+                run["final_success"] = run["success"][-1]
+                print(f"{mode:8} seed {seed}: wall {run['wall_s']:6.1f} s, to {args.level:.2f} in "
+                      f"{run['time_to_level_s']} s, final {run['final_success']:.3f}, idle {run['idle_frac']:.2f}, "
+                      f"stale dropped {run['dropped_stale']}; held-out by version "
+                      f"{[round(s, 2) for s in run['success']]}", flush=True)
+                runs.append(run)
+    ratios = []
+    for seed in args.seeds:
+        sync, over = (next(r for r in runs if r["seed"] == seed and r["mode"] == m) for m in ("sync", "overlap"))
+        if sync["time_to_level_s"] and over["time_to_level_s"]:
+            ratios.append(sync["time_to_level_s"] / over["time_to_level_s"])
+    result = {
+        "speedup": round(statistics.median(ratios), 2) if ratios else None,
+        "speedups": [round(r, 2) for r in ratios],
+        "final_success_sync": round(statistics.mean(r["final_success"] for r in runs if r["mode"] == "sync"), 3),
+        "final_success_overlap": round(statistics.mean(r["final_success"] for r in runs if r["mode"] == "overlap"), 3),
+        "level": args.level, "max_staleness": args.max_staleness,
+        "runs": [{k: v for k, v in r.items() if k not in ("publishes", "held_out")} for r in runs],
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
