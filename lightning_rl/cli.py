@@ -178,12 +178,15 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
 @click.option("--max-policy-lag", type=int, default=2, show_default=True, help="local: drop rollouts older than this.")
 @click.option("--reward-name", default="reward", show_default=True, help="local: e.g. user_feedback.")
 @click.option("--lr", type=float, default=2e-4, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              help="local: the agents' sampling temperature; log-probs are computed at it (calls sampled "
+                   "otherwise are not trained on in --continuous mode).")
 @click.option("--interval", type=float, default=10.0, show_default=True, help="local: seconds between checks.")
 @click.option("--max-updates", type=int, default=None, help="local: stop after N updates (default: run forever).")
 @click.option("--replay", "replay_store", default=None, metavar="STORE",
               help="local: train on the rollouts already in STORE, running no agent (the batches of the run "
                    "recorded there); adapters and metrics go to --out.")
-@click.option("--seed", type=int, default=0, show_default=True, help="replay: the run's seed.")
+@click.option("--seed", type=int, default=0, show_default=True, help="local: the trainer's seed (replay: the run's).")
 @click.option("--steps", type=int, default=None, help="replay: stop after N updates (default: every batch).")
 @click.option("--tasks-per-step", type=int, default=None,
               help="replay: groups per batch, for a store whose publishes do not say what they were trained on.")
@@ -196,7 +199,7 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @_errors
 def train(backend, continuous, agent, print_command, store, model_dir, server_url, served_name, out, min_new,
-          max_policy_lag, reward_name, lr, interval, max_updates, replay_store, seed, steps, tasks_per_step,
+          max_policy_lag, reward_name, lr, temperature, interval, max_updates, replay_store, seed, steps, tasks_per_step,
           max_staleness, credit, level, policies, overrides) -> None:
     """Train the served model: continuously from production traffic (local), or with verl; or replay a run.
 
@@ -230,7 +233,8 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
     if replay_store is not None:
         if continuous:
             raise ConfigurationError("--replay trains on a stored run, --continuous on live traffic: give one")
-        _replay(replay_store, model_dir=model_dir, out=out, served_name=served_name, lr=lr, seed=seed, steps=steps,
+        _replay(replay_store, model_dir=model_dir, out=out, served_name=served_name, lr=lr, temperature=temperature,
+                seed=seed, steps=steps,
                 tasks_per_step=tasks_per_step, max_staleness=max_staleness, credit=credit, level=level,
                 policies=policies)
         return
@@ -246,14 +250,15 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
     trainer = ContinuousTrainer(
         store=_open(store), model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
         min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
-        local=LocalConfig(adv_estimator="batch_baseline", lr=lr),
+        local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
     )
     trainer.start()
     click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
     trainer.run(interval=interval, max_updates=max_updates)
 
 
-def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: str, lr: float, seed: int,
+def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: str, lr: float, temperature: float,
+            seed: int,
             steps: int | None, tasks_per_step: int | None, max_staleness: int, credit: str, level: str,
             policies: tuple[str, ...]) -> None:
     from pathlib import Path
@@ -287,7 +292,7 @@ def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: 
     trainer = Trainer(agent=None, tasks=(), store=record, model_dir=model_dir, server_url=None, out_dir=out_dir,
                       served_name=served_name, policies=team or None, steps=len(source.batches), seed=seed,
                       credit=credit, level=level, max_staleness=max_staleness, source=source,
-                      local=LocalConfig(lr=lr), progress=False)
+                      local=LocalConfig(lr=lr, temperature=temperature), progress=False)
     how = "what each publish was trained on" if source.from_lineage else f"train groups, {tasks_per_step} a batch"
     click.echo(f"replaying {len(source.batches)} batches from {replay_store} ({how})", err=True)
     result = trainer.fit()

@@ -8,8 +8,12 @@ Production agents run with ``mode="prod"``; rewards arrive during the rollout or
 2. dates each rollout with the policy version that served it: the oldest version its LLM calls
    were stamped with (every process stamps from the publishes recorded in the store);
 3. drops (and counts) rollouts more than ``max_policy_lag`` versions behind the current one;
-4. when at least ``min_new`` fresh rewarded rollouts exist, updates with an estimator that needs
-   no groups (``batch_baseline`` by default) and publishes version + 1.
+4. keeps the samples it can train on: rewarded calls to ``served_name`` (not the base model or
+   another LoRA) sampled as the trainer computes log-probs, at ``local.temperature`` (a call sent
+   without one: the API's default, 1.0) with no top-p, top-k or min-p truncation. Others are
+   counted, and a rollout with none left does not count towards ``min_new``;
+5. when at least ``min_new`` fresh rollouts with samples exist, updates with an estimator that
+   needs no groups (``batch_baseline`` by default) and publishes version + 1.
 
 State (published versions with their times, used and dropped rollout ids, the position in the
 store's rewards, rollouts rewarded while running, rewarded rollouts waiting for ``min_new``) is kept in
@@ -24,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..records import Mode, RolloutStatus, Trajectory
+from ..diagnostics import report_failure
+from ..records import Mode, RolloutStatus, Sample, Trajectory
 from ..store.base import Store
 from ..store.samples import SampleStats, trajectory_samples
 from .local import LocalBackend, LocalConfig
@@ -60,6 +65,9 @@ class ContinuousTrainer:
         self.backend: LocalBackend | None = None
         self._waiting: dict[str, Trajectory] = {}  # fresh, rewarded, not yet trained on
         self._dropped_since_update = 0
+        # samples of rollouts not kept since the last update: other model, other sampling, and SampleStats
+        self._skipped_since_update: dict[str, int] = {"other_model": 0, "other_sampling": 0}
+        self._stats_since_update = SampleStats()
         self.last_check: dict[str, int] = {}
 
     @property
@@ -109,11 +117,15 @@ class ContinuousTrainer:
         for ``min_new`` are kept, not assembled again."""
         if self.backend is None:
             self.start()
+        began = time.perf_counter()
         ids, position = self.store.rewarded_since(self.state.get("reward_position", 0), name=self.reward_name)
         # A waiting rollout rewarded again is read again (its reward changed); nothing else is.
         seen = set(self.state["used"]) | set(self.state["dropped"])
         pending: list[str] = []
         dropped = assembled = 0
+        # rollouts left with no sample to train on (without_samples), and those of them that lost samples for
+        # calling another model or sampling otherwise
+        rejected = {"without_samples": 0, "other_model": 0, "other_sampling": 0}
         for rid in dict.fromkeys([*self.state.get("pending", []), *ids]):
             if rid in seen:
                 continue
@@ -132,38 +144,99 @@ class ContinuousTrainer:
             if self.version - self.served_version(traj) > self.max_policy_lag:
                 self.state["dropped"].append(rid)
                 dropped += 1
-            else:
+                continue
+            kept, stats, skipped = self._trainable(traj)
+            if kept:
                 self._waiting[rid] = traj
+                continue
+            self._stats_since_update.add(stats)  # nothing to train on: counted, never waiting
+            rejected["without_samples"] += 1
+            for why, n in skipped.items():
+                self._skipped_since_update[why] += n
+                rejected[why] += bool(n)
         self.state.update(reward_position=position, pending=pending, waiting=list(self._waiting))
         self._save()
         self.last_check = {"rewarded_new": len(ids), "assembled": assembled, "pending": len(pending),
-                           "waiting": len(self._waiting), "dropped_stale": dropped}
+                           "waiting": len(self._waiting), "dropped_stale": dropped, **rejected}
+        if rejected["other_model"] or rejected["other_sampling"]:
+            self._warn_skipped(rejected)
+        self._dropped_since_update += dropped
         if len(self._waiting) < self.min_new:
-            self._dropped_since_update += dropped
             return None
         fresh = list(self._waiting.values())
         samples, stats = [], SampleStats()
+        stats.add(self._stats_since_update)
+        skipped = dict(self._skipped_since_update)
         for traj in fresh:
-            found, s = trajectory_samples(traj, level=self.level, agents=self.agents)
+            kept, s, why = self._trainable(traj)
             stats.add(s)
-            samples += [x for x in found if x.reward is not None]
-            stats.skipped_unrewarded += sum(1 for x in found if x.reward is None)
-        if not samples:
+            samples += kept
+            for key, n in why.items():
+                skipped[key] += n
+        if not samples:  # waiting rollouts read back by a trainer started with other settings (agents, level)
             return None
+        read = time.perf_counter()
         metrics = self.backend.update(samples)
+        trained = time.perf_counter()
         self.state["used"] += [t.rollout_id for t in fresh]
         self._waiting.clear()
         self.state["waiting"] = []
         self._publish(self.version + 1)
+        published = time.perf_counter()
         line = {"version": self.version, "rollouts": len(fresh),
-                "dropped_stale": dropped + self._dropped_since_update,
+                "dropped_stale": self._dropped_since_update,
                 "prefix_splits": stats.splits, "calls_without_engine_ids": stats.missing_token_ids,
                 "unrewarded_samples": stats.skipped_unrewarded,
-                "train_reward": sum(t.final_reward for t in fresh) / len(fresh), **metrics, "time": time.time()}
+                "skipped_other_model": skipped["other_model"], "skipped_other_sampling": skipped["other_sampling"],
+                "train_reward": sum(t.final_reward for t in fresh) / len(fresh), **metrics,
+                "read_seconds": read - began, "update_seconds": trained - read, "publish_seconds": published - trained,
+                "time": time.time()}
         self._dropped_since_update = 0
+        self._skipped_since_update = {"other_model": 0, "other_sampling": 0}
+        self._stats_since_update = SampleStats()
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         return line
+
+    def _reproducible(self, sampling: dict[str, Any]) -> bool:
+        """Whether a call sampled with ``sampling`` (its recorded request parameters) drew its tokens
+        from the distribution the trainer computes: softmax(logits / local.temperature), untruncated."""
+        temperature = sampling.get("temperature")
+        temperature = 1.0 if temperature is None else temperature  # not sent: the API's default
+        if not isinstance(temperature, (int, float)) or abs(temperature - self.local.temperature) > 1e-6:
+            return False
+        top_p, top_k, min_p = sampling.get("top_p"), sampling.get("top_k"), sampling.get("min_p")
+        return (top_p is None or top_p >= 1) and top_k in (None, 0, -1) and not min_p
+
+    def _trainable(self, traj: Trajectory) -> tuple[list[Sample], SampleStats, dict[str, int]]:
+        """``traj``'s rewarded samples of calls to ``served_name`` sampled as the trainer computes;
+        with the sample counts and the samples left out, by reason."""
+        found, stats = trajectory_samples(traj, level=self.level, agents=self.agents)
+        calls = {c.index: c for c in traj.llm_calls}
+        kept: list[Sample] = []
+        skipped = {"other_model": 0, "other_sampling": 0}
+        for sample in found:
+            if sample.reward is None:
+                stats.skipped_unrewarded += 1
+            elif sample.policy is not None and sample.policy != self.served_name:
+                skipped["other_model"] += 1
+            elif not all(self._reproducible(calls[i].sampling_params) for i in sample.llm_call_indices if i in calls):
+                skipped["other_sampling"] += 1
+            else:
+                kept.append(sample)
+        return kept, stats, skipped
+
+    def _warn_skipped(self, rejected: dict[str, int]) -> None:
+        if rejected["other_sampling"]:
+            report_failure("continuous: production calls sampled otherwise", message=(
+                f"lightning-rl: {rejected['other_sampling']} rewarded production rollout(s) were sampled at another "
+                f"temperature than the trainer's ({self.local.temperature}), or with top-p/top-k/min-p; the trainer "
+                "computes log-probs at its temperature, untruncated, so they are not trained on. Give the trainer "
+                "the agents' temperature (--temperature) (logged once)"))
+        if rejected["other_model"]:
+            report_failure("continuous: production calls to another model", message=(
+                f"lightning-rl: {rejected['other_model']} rewarded production rollout(s) called only models other "
+                f"than {self.served_name!r} (the trained LoRA); they are not trained on (logged once)"))
 
     def run(self, *, interval: float = 10.0, max_updates: int | None = None) -> None:
         updates = 0

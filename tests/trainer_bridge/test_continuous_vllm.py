@@ -10,7 +10,7 @@ from lightning_rl.tracer import tracing
 from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
 from lightning_rl.trainer_bridge.local import LocalConfig
 
-from ..conftest import ensure_tiny_model
+from ..conftest import SERVED_NAME, ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("peft")
@@ -78,5 +78,46 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
                                   out_dir=tmp_path / "ct", min_new=1, max_policy_lag=0)
         again.start()
         assert again.version == 2 and again.step() is None
+    finally:
+        tracing._policy_versions.pop("policy", None)
+
+
+def test_trains_only_on_calls_the_trainer_can_reproduce(traced, vllm_url, tmp_path):
+    """Log-probs are computed at the trainer's temperature, with no top-p/top-k, for the served
+    policy: production calls sampled otherwise, or answered by another model, are not trained on."""
+    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
+
+    @lrl.trace(mode="prod")
+    def production_agent(question, model="policy", **sampling):
+        r = client.chat.completions.create(model=model, max_tokens=8, messages=[{"role": "user", "content": question}],
+                                           **sampling)
+        return r.choices[0].message.content
+
+    trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                                out_dir=tmp_path / "ct", min_new=2, max_policy_lag=5,
+                                local=LocalConfig(adv_estimator="batch_baseline", lr=1e-3, temperature=0.7))
+    calls = {
+        "hot": dict(temperature=1.0),  # another temperature
+        "default": {},  # no temperature: the API's default, 1.0
+        "top_p": dict(temperature=0.7, top_p=0.5),  # truncated sampling the trainer does not reproduce
+        "base": dict(temperature=0.7, model=SERVED_NAME),  # the base model, not the trained LoRA
+        "ok1": dict(temperature=0.7),
+        "ok2": dict(temperature=0.7, top_p=1.0),  # an explicit no-op is fine
+    }
+    try:
+        trainer.start()
+        for rid, kwargs in calls.items():
+            with lrl.rollout_overrides(rollout_id=rid):
+                production_agent(f"What is 12+{len(rid)}?", **kwargs)
+        assert traced.trajectory("hot").llm_calls[0].sampling_params["temperature"] == 1.0
+        for value, rid in enumerate(calls):
+            traced.add_reward(rid, float(value % 2))
+        update = trainer.step()
+        assert trainer.last_check["other_sampling"] == 3 and trainer.last_check["other_model"] == 1
+        assert trainer.last_check["without_samples"] == 4 and trainer.last_check["waiting"] == 2
+        assert update is not None and update["rollouts"] == 2 and update["samples"] == 2
+        assert update["skipped_other_sampling"] == 3 and update["skipped_other_model"] == 1
+        assert set(trainer.state["used"]) == {"ok1", "ok2"}
+        assert trainer.step() is None and trainer.last_check["other_sampling"] == 0  # not read again
     finally:
         tracing._policy_versions.pop("policy", None)

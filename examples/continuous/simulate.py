@@ -1,0 +1,336 @@
+#!/usr/bin/env python
+"""Continuous training from production traffic: simulated users, real vLLM, the real CLI trainer.
+
+1. vLLM (CPU) serves the tiny model with LoRA hot-loading.
+2. ``lightning-rl train --continuous`` runs as a subprocess: it publishes version 0 of the LoRA
+   ``policy``, then trains from rewarded production rollouts as they arrive and hot-loads each new
+   version. Nothing else trains the served model.
+3. Simulated users ask the calculator agent "What is a+b?" at Poisson times. The agent (the main
+   demo's, with its tool and questions imported: plain AsyncOpenAI client, a calculator tool;
+   sampled at temperature 0.7, and the trainer computes its log-probs at the same temperature) is
+   traced with ``mode="prod"`` and returns its answer, never a reward: production does not know
+   whether it is right.
+   A fraction of users give feedback (``store.add_reward``: 1.0 right, 0.0 wrong) after a random
+   delay (exponential, capped); the others never do.
+4. The simulator knows every right answer, so it measures the true production success rate in
+   windows of time, for all users, including those who never give feedback.
+
+Output: ``production.png`` (success per window, with each published version marked) and a last
+stdout line of JSON.
+
+Run: make demo-continuous   (or .venv/bin/python examples/continuous/simulate.py --seed 1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+import lightning_rl as lrl
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
+sys.path.insert(0, str(ROOT / "examples"))
+from train import CALCULATOR, make_tasks  # noqa: E402  (the main demo's tool and questions)
+from word_problems import calculator  # noqa: E402
+
+from lightning_rl.vllm_server import VLLMServer  # noqa: E402
+
+SERVED = "policy"
+
+
+@dataclass
+class Answer:
+    rollout_id: str
+    arrived: float  # seconds since traffic started
+    finished: float
+    correct: bool
+    feedback_delay: float | None  # None: this user never gives feedback
+    failed: bool = False  # the request failed: a wrong answer, and no feedback
+    feedback_given: bool = False
+
+
+def make_production_agent(client: openai.AsyncOpenAI, temperature: float):
+    @lrl.trace(agent="calculator", mode="prod", task="task")
+    async def calculator_agent(task: dict) -> str:
+        messages = [{"role": "system", "content": "Be exact."},
+                    {"role": "user", "content": f"What is {task['a']}+{task['b']}?"}]
+        first = await client.chat.completions.create(model=SERVED, messages=messages, tools=[CALCULATOR],
+                                                     temperature=temperature, max_tokens=64)
+        message = first.choices[0].message
+        answer = message.content or ""
+        if message.tool_calls:
+            call = message.tool_calls[0]
+            try:
+                expression = str(json.loads(call.function.arguments).get("expression", ""))
+            except (ValueError, AttributeError):
+                expression = ""
+            with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
+                tool.result = calculator(expression)
+            answer = tool.result  # the agent answers with its tool's result
+        return answer  # an answer, not a reward: production does not know if it is right
+
+    return calculator_agent
+
+
+def trainer_command(args: argparse.Namespace, store_url: str, server_url: str, out: Path) -> list[str]:
+    temperature = [] if args.temperature == 1.0 else ["--temperature", str(args.temperature)]
+    return [*shlex.split(args.cli), "train", "--continuous",
+            "--store", store_url, "--model-dir", args.model_dir, "--server-url", server_url,
+            "--served-name", SERVED, "--out", str(out / "trainer"), "--min-new", str(args.min_new),
+            "--max-policy-lag", str(args.max_policy_lag), "--reward-name", args.reward_name,
+            "--lr", str(args.lr), "--interval", str(args.interval), *temperature]
+
+
+def check_cli(args: argparse.Namespace) -> None:
+    """The trainer must compute log-probs at the agents' temperature: fail now if the CLI cannot be told."""
+    if args.temperature == 1.0:
+        return
+    text = subprocess.run([*shlex.split(args.cli), "train", "--help"], capture_output=True, text=True).stdout
+    if "--temperature" not in text:
+        raise SystemExit(f"`{args.cli} train` has no --temperature option; production samples at "
+                         f"{args.temperature}, and the trainer must compute log-probs at it (or run --temperature 1.0)")
+
+
+def wait_for_version0(store, trainer: subprocess.Popen, timeout: float = 600.0) -> float:
+    """Wait until the trainer has published version 0 (the LoRA is served); returns the time."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if trainer.poll() is not None:
+            raise SystemExit(f"the trainer exited with {trainer.returncode} before publishing version 0")
+        published = store.policies(SERVED)
+        if published:
+            return published[0].time
+        time.sleep(0.5)
+    raise SystemExit(f"the trainer published nothing in {timeout:.0f}s")
+
+
+async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0: float) -> list[Answer]:
+    """Questions at Poisson times for ``args.minutes``; feedback after its delay while traffic lasts."""
+    tasks = make_tasks(100_000, seed=args.seed)
+    answers: list[Answer] = []
+    in_flight = asyncio.Semaphore(args.concurrency)
+    running: set[asyncio.Task] = set()
+    end = t0 + args.minutes * 60
+
+    async def feedback(answer: Answer) -> None:
+        await asyncio.sleep(max(0.0, t0 + answer.finished + answer.feedback_delay - time.time()))
+        await asyncio.to_thread(store.add_reward, answer.rollout_id, 1.0 if answer.correct else 0.0,
+                                name=args.reward_name, uid=f"feedback-{answer.rollout_id}")
+        answer.feedback_given = True
+
+    async def user(task: dict, arrived: float, delay: float | None) -> None:
+        rollout_id = uuid.uuid4().hex
+        async with in_flight:
+            with lrl.rollout_overrides(rollout_id=rollout_id):
+                try:
+                    text = await agent(task)
+                except Exception as exc:  # a failed request is a wrong answer for that user
+                    print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    text = None
+        answer = Answer(rollout_id, arrived, time.time() - t0,
+                        text is not None and text.strip() == str(task["a"] + task["b"]), delay, failed=text is None)
+        answers.append(answer)
+        if delay is not None and not answer.failed:
+            await feedback(answer)
+
+    i = 0
+    next_at = t0
+    while True:
+        next_at += rng.expovariate(args.rate)
+        if next_at >= end:
+            break
+        await asyncio.sleep(max(0.0, next_at - time.time()))
+        delay = (min(rng.expovariate(1 / args.feedback_delay), args.feedback_max)
+                 if rng.random() < args.feedback else None)
+        task = asyncio.create_task(user(tasks[i], next_at - t0, delay))
+        running.add(task)
+        task.add_done_callback(running.discard)
+        i += 1
+    await asyncio.sleep(max(0.0, end - time.time()))
+    # Traffic is over: requests still running are not counted, feedback still to come is never given.
+    pending = [t for t in running if not t.done()]
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return answers
+
+
+def windows(answers: list[Answer], width: float, minutes: float) -> list[dict]:
+    out = []
+    n = max(1, int(round(minutes * 60 / width)))
+    for k in range(n):
+        inside = [a for a in answers if k * width <= a.arrived < (k + 1) * width]
+        out.append({"start": k * width, "end": (k + 1) * width, "n": len(inside),
+                    "success": sum(a.correct for a in inside) / len(inside) if inside else None})
+    return out
+
+
+def rate(answers: list[Answer]) -> float | None:
+    return sum(a.correct for a in answers) / len(answers) if answers else None
+
+
+def plot(path: Path, wins: list[dict], publishes: list[tuple[int, float]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.9), dpi=110)
+    xs = [(w["start"] + w["end"]) / 120 for w in wins if w["success"] is not None]
+    ys = [w["success"] for w in wins if w["success"] is not None]
+    ax.plot(xs, ys, marker="o", label="production success (all users, per window)")
+    for k, (version, at) in enumerate(publishes):
+        if version == 0:
+            continue
+        ax.axvline(at / 60, color="tab:gray", alpha=0.45, linestyle=":",
+                   label="new policy version published" if k == 1 else None)
+        ax.annotate(f"v{version}", (at / 60, 1.02), fontsize=6, ha="center", color="tab:gray")
+    ax.set_xlabel("minutes of traffic")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.05, 1.08)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def stop(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="continuous training from simulated production traffic (CPU)")
+    parser.add_argument("--minutes", type=float, default=6.0, help="minutes of traffic (real time)")
+    parser.add_argument("--rate", type=float, default=5.0, help="questions per second (Poisson)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
+    parser.add_argument("--feedback", type=float, default=0.7, help="fraction of users who give feedback")
+    parser.add_argument("--feedback-delay", type=float, default=20.0, help="mean feedback delay, seconds")
+    parser.add_argument("--feedback-max", type=float, default=180.0, help="longest feedback delay, seconds")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="production sampling temperature (the trainer computes log-probs at it)")
+    parser.add_argument("--min-new", type=int, default=64, help="fresh rewarded rollouts per update")
+    parser.add_argument("--max-policy-lag", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between the trainer's checks")
+    parser.add_argument("--reward-name", default="user_feedback")
+    parser.add_argument("--cli", default=f"{shlex.quote(sys.executable)} -m lightning_rl.cli",
+                        help="the lightning-rl command the trainer runs with")
+    parser.add_argument("--trainer-threads", type=int, default=1,
+                        help="torch threads of the trainer (OMP_NUM_THREADS): it shares the cores with vLLM")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds per success window")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
+    parser.add_argument("--out", default=str(ROOT / ".cache" / "demo-continuous"))
+    args = parser.parse_args()
+    started = time.time()
+    out = Path(args.out)
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    out.mkdir(parents=True)
+    if not (Path(args.model_dir) / "config.json").exists():
+        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
+    check_cli(args)
+    rng = random.Random(args.seed)
+    store_url = f"sqlite:///{out / 'runs.db'}"
+
+    with contextlib.ExitStack() as stack:
+        print(f"serving {args.model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
+        server = stack.enter_context(VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
+                                                log_path=out / "vllm.log"))
+        store = lrl.configure(store=store_url)
+        command = trainer_command(args, store_url, server.url, out)
+        print("trainer:", " ".join(command), flush=True)
+        log = stack.enter_context(open(out / "trainer.log", "w"))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.trainer_threads)}
+        trainer = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
+        stack.callback(stop, trainer)
+        wait_for_version0(store, trainer)
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+        agent = make_production_agent(client, args.temperature)
+        t0 = time.time()
+        print(f"traffic: {args.rate}/s for {args.minutes} min, {args.feedback:.0%} of users give feedback "
+              f"after ~{args.feedback_delay:.0f}s (at most {args.feedback_max:.0f}s)", flush=True)
+        answers = asyncio.run(traffic(agent, store, args, rng, t0))
+        stop(trainer)
+        store.flush()
+
+    state_path = out / "trainer" / "continuous_state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"dropped": []}
+    publishes = [(p.version, p.time - t0) for p in store.policies(SERVED)]  # what the trainer recorded
+    metrics_path = out / "trainer" / "metrics.jsonl"
+    updates = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    first_update = next((at for v, at in publishes if v >= 1), None)
+    width = args.window
+    wins = windows(answers, width, args.minutes)
+    before_end = min(first_update if first_update is not None else args.minutes * 60, 2 * width)
+    before = [a for a in answers if a.arrived < before_end]
+    after = [a for a in answers if a.arrived >= args.minutes * 60 - 2 * width]
+    by_version: dict[int, list[bool]] = {}
+    served = {r.rollout_id: r.policy_version for r in store.rollouts(mode="prod")}
+    for a in answers:
+        by_version.setdefault(served.get(a.rollout_id) or 0, []).append(a.correct)
+    success_before, success_after = rate(before), rate(after)
+    plot_path = out / "production.png"
+    plot(plot_path, wins, publishes,
+         f"calculator agent in production (temperature {args.temperature:g}), seed {args.seed}\n"
+         f"{args.rate:g} questions/s, {args.feedback:.0%} give feedback; trainer: min_new {args.min_new}, "
+         f"lr {args.lr:g}, max_policy_lag {args.max_policy_lag}")
+    with (out / "windows.jsonl").open("w") as f:
+        for w in wins:
+            f.write(json.dumps(w) + "\n")
+    minutes = (time.time() - started) / 60
+    summary = {
+        "success_before": None if success_before is None else round(success_before, 3),
+        "success_after": None if success_after is None else round(success_after, 3),
+        "gain": None if None in (success_before, success_after) else round(success_after - success_before, 3),
+        "success_by_version": {v: round(sum(c) / len(c), 3) for v, c in sorted(by_version.items())},
+        "rollouts_by_version": {v: len(c) for v, c in sorted(by_version.items())},
+        "window_success": [None if w["success"] is None else round(w["success"], 3) for w in wins],
+        "first_update_at_min": None if first_update is None else round(first_update / 60, 2),
+        "traffic_minutes": args.minutes,
+        "minutes": round(minutes, 2),
+        "updates": len(updates),
+        "rollouts": len(answers),
+        "rewards_given": sum(a.feedback_given for a in answers),
+        "feedback_never": sum(a.feedback_delay is None for a in answers),
+        "feedback_too_late": sum(a.feedback_delay is not None and not a.feedback_given and not a.failed
+                                 for a in answers),
+        "requests_failed": sum(a.failed for a in answers),
+        "trained_on": sum(u["rollouts"] for u in updates),
+        "dropped_stale": len(state.get("dropped", [])),
+        "rate": args.rate, "feedback": args.feedback, "min_new": args.min_new, "lr": args.lr,
+        "max_policy_lag": args.max_policy_lag, "seed": args.seed, "model_dir": args.model_dir,
+        "plot": str(plot_path), "metrics": str(metrics_path),
+        "store": str(out / "runs.db"), "trainer_log": str(out / "trainer.log"),
+    }
+    print(f"\nproduction success: {summary['success_before']} before the first update -> "
+          f"{summary['success_after']} in the last {2 * width:.0f}s; {len(updates)} updates, "
+          f"{minutes:.1f} min; plot: {plot_path}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
