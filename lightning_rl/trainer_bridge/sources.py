@@ -14,8 +14,8 @@ the publish, the metrics line.
 * ``StoredGroups``: replay. The batches of a run already in a store, rebuilt from what each published
   version was trained on (``PolicyRecord.trained_on``), or else the store's train groups in the order
   they were queued; nothing runs. Same store, seed and settings: the same loss sequence.
-* The production stream (``continuous.py``): prod rollouts as their rewards arrive; each is a group
-  of its own.
+* Not yet behind this interface: the production stream. ``continuous.py`` reads prod rollouts as
+  their rewards arrive with a loop of its own (resumable state, ``max_policy_lag`` per rollout).
 """
 
 from __future__ import annotations
