@@ -57,10 +57,34 @@ def make_tasks(n: int, seed: int, exclude: set[tuple[int, int]] = frozenset()) -
     return out
 
 
+async def answer(client: openai.AsyncOpenAI, model: str, task: dict, temperature: float, seed: int | None = None,
+                 tool_wait: Callable[[], Awaitable[None]] | None = None) -> str:
+    """The calculator agent's answer to "What is a+b?": its words, or its calculator call's result.
+    ``tool_wait()``, when given, is awaited inside the calculator call (a slow tool)."""
+    messages = [{"role": "system", "content": "Be exact."},
+                {"role": "user", "content": f"What is {task['a']}+{task['b']}?"}]
+    first = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
+                                                 temperature=temperature, max_tokens=64,
+                                                 **({"seed": seed} if seed is not None else {}))
+    message = first.choices[0].message
+    if not message.tool_calls:
+        return message.content or ""
+    call = message.tool_calls[0]
+    try:
+        expression = str(json.loads(call.function.arguments).get("expression", ""))
+    except (ValueError, AttributeError):
+        expression = ""
+    with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
+        if tool_wait is not None:
+            await tool_wait()
+        tool.result = calculator(expression)
+    return tool.result  # the agent answers with its tool's result
+
+
 def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float,
                tool_wait: Callable[[dict, int, int], Awaitable[None]] | None = None):
-    """The calculator agent. ``tool_wait(task, attempt, version)``, when given, is awaited inside each
-    calculator call (a slow tool, for the overlap benchmark)."""
+    """The calculator agent, rewarded 1.0 for the exact sum. ``tool_wait(task, attempt, version)``, when
+    given, is awaited inside each calculator call (a slow tool, for the overlap benchmark)."""
 
     @lrl.trace(agent="calculator")
     async def calculator_agent(task: dict) -> float:
@@ -68,24 +92,9 @@ def make_agent(client: openai.AsyncOpenAI, model: str, temperature: float,
         version = tracing.policy_version(model)
         # Reproducible sampling: the seed depends on the task, the attempt and the policy version.
         seed = zlib.crc32(json.dumps([task, state.attempt, version]).encode()) & 0x7FFFFFFF
-        messages = [{"role": "system", "content": "Be exact."},
-                    {"role": "user", "content": f"What is {task['a']}+{task['b']}?"}]
-        first = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
-                                                     temperature=temperature, max_tokens=64, seed=seed)
-        message = first.choices[0].message
-        answer = message.content or ""
-        if message.tool_calls:
-            call = message.tool_calls[0]
-            try:
-                expression = str(json.loads(call.function.arguments).get("expression", ""))
-            except (ValueError, AttributeError):
-                expression = ""
-            with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
-                if tool_wait is not None:
-                    await tool_wait(task, state.attempt, version)
-                tool.result = calculator(expression)
-            answer = tool.result  # the agent answers with its tool's result
-        return 1.0 if answer.strip() == str(task["a"] + task["b"]) else 0.0
+        wait = None if tool_wait is None else (lambda: tool_wait(task, state.attempt, version))
+        said = await answer(client, model, task, temperature, seed, wait)
+        return 1.0 if said.strip() == str(task["a"] + task["b"]) else 0.0
 
     return calculator_agent
 

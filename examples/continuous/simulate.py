@@ -45,8 +45,7 @@ import lightning_rl as lrl
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
 sys.path.insert(0, str(ROOT / "examples"))
-from train import CALCULATOR, make_tasks  # noqa: E402  (the main demo's tool and questions)
-from word_problems import calculator  # noqa: E402
+from train import answer, make_tasks  # noqa: E402  (the main demo's agent and questions)
 
 from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 
@@ -67,22 +66,8 @@ class Answer:
 def make_production_agent(client: openai.AsyncOpenAI, temperature: float):
     @lrl.trace(agent="calculator", mode="prod", task="task")
     async def calculator_agent(task: dict) -> str:
-        messages = [{"role": "system", "content": "Be exact."},
-                    {"role": "user", "content": f"What is {task['a']}+{task['b']}?"}]
-        first = await client.chat.completions.create(model=SERVED, messages=messages, tools=[CALCULATOR],
-                                                     temperature=temperature, max_tokens=64)
-        message = first.choices[0].message
-        answer = message.content or ""
-        if message.tool_calls:
-            call = message.tool_calls[0]
-            try:
-                expression = str(json.loads(call.function.arguments).get("expression", ""))
-            except (ValueError, AttributeError):
-                expression = ""
-            with lrl.tool_span("calculator", call_id=call.id, arguments=call.function.arguments) as tool:
-                tool.result = calculator(expression)
-            answer = tool.result  # the agent answers with its tool's result
-        return answer  # an answer, not a reward: production does not know if it is right
+        # the main demo's agent; an answer, not a reward: production does not know if it is right
+        return await answer(client, SERVED, task, temperature)
 
     return calculator_agent
 

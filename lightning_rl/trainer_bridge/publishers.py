@@ -95,6 +95,13 @@ def check_served(server_url: str, names: Sequence[str], timeout: float = 30.0) -
                                      f"another served name (its LoRA is loaded under it)")
 
 
+def save_adapter(model: Any, adapter_dir: Path, version: int) -> str:
+    """Save ``model``'s adapter (``save_pretrained``) as ``adapter_dir/vNNNNN``; returns its absolute path."""
+    path = (adapter_dir / f"v{version:05d}").resolve()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 @register_publisher("adapter_dir")
 class AdapterDirPublisher:
     """Save each version's adapter under ``adapter_dir/vNNNNN`` and serve nothing (a replay)."""
@@ -104,9 +111,7 @@ class AdapterDirPublisher:
         self.served_name = served_name
 
     def publish(self, model: Any, version: int) -> str:
-        path = (self.adapter_dir / f"v{version:05d}").resolve()
-        model.save_pretrained(str(path))
-        return str(path)
+        return save_adapter(model, self.adapter_dir, version)
 
 
 @register_publisher("vllm_lora")
@@ -125,10 +130,9 @@ class VLLMLoRAPublisher:
     def publish(self, model: Any, version: int) -> str:
         """``model``: a PEFT model (``save_pretrained`` writes the adapter). Sets ``version`` for this
         process's tracer; returns the adapter's path."""
-        path = (self.adapter_dir / f"v{version:05d}").resolve()
-        model.save_pretrained(str(path))
+        path = save_adapter(model, self.adapter_dir, version)
         _post(f"{self.server_url}/v1/load_lora_adapter",
-              {"lora_name": self.served_name, "lora_path": str(path), "load_inplace": True},
+              {"lora_name": self.served_name, "lora_path": path, "load_inplace": True},
               self.timeout)
         tracing.set_policy_version(version, model=self.served_name)
-        return str(path)
+        return path
