@@ -140,9 +140,16 @@ def _user_tables(conn: sqlite3.Connection) -> list[str]:
 
 def check_is_store(conn: sqlite3.Connection, path: str) -> None:
     """Refuse files that are not lightning-rl stores, before anything is written to them."""
-    try:
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        tables = _user_tables(conn)
+    own_transaction = not conn.in_transaction  # both reads from one snapshot: another process may be
+    try:                                         # committing a new store between them
+        if own_transaction:
+            conn.execute("BEGIN")
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            tables = _user_tables(conn)
+        finally:
+            if own_transaction and conn.in_transaction:
+                conn.execute("COMMIT")
     except sqlite3.DatabaseError as exc:
         raise NotAStoreError(
             f"{path!r} is not a SQLite database ({exc}); give lightning-rl a new file name or an "

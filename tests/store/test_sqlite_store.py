@@ -203,6 +203,32 @@ def test_several_processes_write_one_file(tmp_path):
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
+def test_a_file_created_between_the_checks_two_reads_is_still_ours(tmp_path):
+    """CI saw this with three processes: one read application_id (0, file empty), another process
+    then committed the new schema, and the first read the tables: tables without our id, refused."""
+    from lightning_rl.store.migrations import check_is_store, migrate
+
+    path = str(tmp_path / "new.db")
+    creator = sqlite3.connect(path, isolation_level=None)
+    creator.execute("PRAGMA journal_mode = WAL")
+    checker = sqlite3.connect(path, isolation_level=None)
+    seen = []
+
+    def migrate_between_reads(statement):
+        seen.append(statement)
+        if "sqlite_master" in statement and creator.execute("PRAGMA user_version").fetchone()[0] == 0:
+            migrate(creator, path)  # the other process's migration commits between the two reads
+
+    checker.set_trace_callback(migrate_between_reads)
+    check_is_store(checker, path)  # raised NotAStoreError before the check read in one transaction
+    assert any("application_id" in s for s in seen) and any("sqlite_master" in s for s in seen)
+    checker.set_trace_callback(None)
+    check_is_store(checker, path)  # and once migrated, the file is ours
+    assert creator.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    checker.close()
+    creator.close()
+
+
 def test_threads_tracing_concurrently_lose_nothing(tmp_path):
     s = SQLiteStore(tmp_path / "runs.db", queue_size=16)
     previous = lrl.tracer.tracing._sink
