@@ -262,8 +262,6 @@ def main() -> None:
         stop(trainer)
         store.flush()
 
-    state_path = out / "trainer" / "continuous_state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"dropped": []}
     publishes = [(p.version, p.time - t0) for p in store.policies(SERVED)]  # what the trainer recorded
     metrics_path = out / "trainer" / "metrics.jsonl"
     updates = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
@@ -305,7 +303,7 @@ def main() -> None:
                                  for a in answers),
         "requests_failed": sum(a.failed for a in answers),
         "trained_on": sum(u["rollouts"] for u in updates),
-        "dropped_stale": len(state.get("dropped", [])),
+        "dropped_stale": sum(u["dropped_stale"] for u in updates),  # counted by the updates they preceded
         "rate": args.rate, "feedback": args.feedback, "min_new": args.min_new, "lr": args.lr,
         "max_policy_lag": args.max_policy_lag, "seed": args.seed, "model_dir": args.model_dir,
         "plot": str(plot_path), "metrics": str(metrics_path),

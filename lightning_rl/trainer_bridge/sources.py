@@ -14,21 +14,28 @@ the publish, the metrics line.
 * ``StoredGroups``: replay. The batches of a run already in a store, rebuilt from what each published
   version was trained on (``PolicyRecord.trained_on``), or else the store's train groups in the order
   they were queued; nothing runs. Same store, seed and settings: the same loss sequence.
-* Not yet behind this interface: the production stream. ``continuous.py`` reads prod rollouts as
-  their rewards arrive with a loop of its own (resumable state, ``max_policy_lag`` per rollout).
+* ``ProductionStream``: continuous mode. Production rollouts (``mode="prod"``) as their rewards arrive,
+  late or never; a batch is every fresh rewarded rollout once ``min_new`` wait, each its own group, with
+  the samples the trainer can reproduce chosen by the source (``StepBatch.samples``). Its state is
+  resumable; ``continuous.py`` (``lightning-rl train --continuous``) trains from it without end.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+from ..diagnostics import report_failure
 from ..errors import ConfigurationError
-from ..records import Mode, QueueStatus, Trajectory
+from ..records import Mode, QueueStatus, RolloutStatus, Sample, Trajectory
 from ..store.base import Store
+from ..store.samples import SampleStats, trajectory_samples
 
 
 @dataclass
@@ -39,6 +46,7 @@ class StepBatch:
     groups: list[list[Trajectory]]  # each group's tries, in the order the queue holds them
     outcomes: dict[str, int] = field(default_factory=dict)  # the tries' queue outcomes (succeeded, failed, ...)
     metrics: dict[str, Any] = field(default_factory=dict)  # what the source measured while gathering them
+    samples: list[Sample] | None = None  # chosen by the source (production: calls it can reproduce); None: all
 
 
 class SampleSource(Protocol):
@@ -204,3 +212,241 @@ class StoredGroups:
 
     def close(self) -> None:
         pass
+
+
+class ProductionStream:
+    """The production stream (continuous mode): prod rollouts, trained on as their rewards arrive.
+
+    Each check (``poll``) reads what is new, never the store's whole history: rollouts rewarded
+    (``reward_name``) since the last check (a position in the store's rewards), plus those still running
+    when their reward came. Each succeeded one is dated with the policy version that served it (the oldest
+    its LLM calls were stamped with; for rollouts recorded without one, the last publish before it
+    started), dropped and counted when more than ``max_policy_lag`` versions behind, and otherwise kept
+    for its samples the trainer can reproduce: rewarded calls to ``served_name`` sampled at
+    ``temperature`` (a call sent without one: the API's default, 1.0) with no top-p, top-k or min-p
+    truncation. The others are counted, and a rollout left with none is not waited on. A batch is every
+    waiting rollout, once there are at least ``min_new``; each rollout is a group of its own (production
+    has no tries of one task to compare: ``batch_baseline``), and ``StepBatch.samples`` holds the samples.
+
+    State (versions published with their times, rollouts used or dropped, the reward position, rollouts
+    rewarded while running, those waiting, the batch being trained on) is saved to ``state_path`` at every
+    check and publish, so a restarted trainer resumes where it stopped, and a trainer stopped between its
+    publish and the state's save neither goes back a version nor trains twice on one batch. Rollouts used
+    or dropped are remembered only while they could still be trained on (served at most
+    ``max_policy_lag`` versions ago): the state stays bounded however long the stream runs, and an older
+    rollout rewarded again is too stale anyway (dropped and counted)."""
+
+    def __init__(self, store: Store, *, state_path: str | Path, served_name: str = "policy", min_new: int = 32,
+                 max_policy_lag: int = 2, reward_name: str = "reward", credit: str = "final", level: str = "call",
+                 agents: Any = None, temperature: float = 1.0, interval: float = 10.0) -> None:
+        if isinstance(min_new, bool) or not isinstance(min_new, int) or min_new < 1:
+            raise ConfigurationError(f"min_new must be an int >= 1 (fresh rollouts per update), got {min_new!r}")
+        if isinstance(max_policy_lag, bool) or not isinstance(max_policy_lag, int) or max_policy_lag < 0:
+            raise ConfigurationError(f"max_policy_lag must be an int >= 0 (versions a rollout may be behind), "
+                                     f"got {max_policy_lag!r}")
+        self.store, self.served_name, self.min_new, self.max_policy_lag = store, served_name, min_new, max_policy_lag
+        self.reward_name, self.credit, self.level, self.agents = reward_name, credit, level, agents
+        self.temperature, self.interval = temperature, interval
+        self.state_path = Path(state_path)
+        self.state = self._load()
+        self.waiting: dict[str, Trajectory] = {}  # fresh, rewarded, not yet trained on
+        self.last_check: dict[str, int] = {}
+        self._closed = threading.Event()
+        self._reset_counts()
+
+    # -- state ---------------------------------------------------------------------------------------
+    def _load(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"published": [], "used": {}, "dropped": {}, "reward_position": 0, "pending": [],
+                                 "waiting": [], "taking": [], "taking_versions": {}}
+        if self.state_path.exists():
+            state.update(json.loads(self.state_path.read_text()))
+            last = state["published"][-1][0] if state["published"] else 0
+            for key in ("used", "dropped"):  # files from before the bound held lists of ids
+                if isinstance(state[key], list):
+                    state[key] = dict.fromkeys(state[key], last)
+        return state
+
+    def _save(self) -> None:
+        oldest = self.version - self.max_policy_lag  # rollouts served before it can no longer be trained on
+        for key in ("used", "dropped"):
+            self.state[key] = {rid: v for rid, v in self.state[key].items() if v >= oldest}
+        # publish times date rollouts recorded without a version: one started before these is stale anyway
+        self.state["published"] = [p for p in self.state["published"] if p[0] >= oldest - 1]
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        tmp.replace(self.state_path)
+
+    @property
+    def version(self) -> int:
+        """The last version published (-1 before the first)."""
+        return self.state["published"][-1][0] if self.state["published"] else -1
+
+    def served_version(self, traj: Trajectory) -> int:
+        """The policy version that served ``traj`` (class doc)."""
+        if traj.policy_version is not None:
+            return traj.policy_version
+        before = [v for v, t in self.state["published"] if t <= traj.start_time]
+        return before[-1] if before else 0
+
+    # -- the interface -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Resume: finish a publish the last run did not save, and read back the waiting rollouts."""
+        if self.state["taking"]:
+            records = self.store.policies(self.served_name)
+            if records and records[-1].version == self.version + 1:  # published, then stopped before saving
+                for rid in self.state["taking"]:
+                    self.state["used"][rid] = self.state.get("taking_versions", {}).get(rid, self.version)
+                self.state["published"].append([records[-1].version, records[-1].time])
+            else:  # stopped before its publish: the batch was never trained on for good
+                self.state["waiting"] = list(dict.fromkeys([*self.state["taking"], *self.state["waiting"]]))
+            self.state["taking"], self.state["taking_versions"] = [], {}
+            self._save()
+        for rid in self.state["waiting"]:
+            self.waiting[rid] = self.store.trajectory(rid, credit=self.credit, reward_name=self.reward_name)
+
+    def next_batch(self) -> StepBatch | None:
+        """The next batch, checking every ``interval`` seconds; None once closed."""
+        while not self._closed.is_set():
+            batch = self.poll()
+            if batch is not None:
+                return batch
+            self._closed.wait(self.interval)
+        return None
+
+    def published(self, updates: int) -> None:
+        """Version ``updates`` is live: the batch taken for it is used."""
+        versions = self.state.get("taking_versions", {})
+        for rid in self.state["taking"]:
+            self.state["used"][rid] = versions.get(rid, updates)
+        if not self.state["published"] or self.state["published"][-1][0] != updates:
+            self.state["published"].append([updates, time.time()])
+        self.state["taking"], self.state["taking_versions"] = [], {}
+        self._save()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    # -- checks --------------------------------------------------------------------------------------
+    def _reset_counts(self) -> None:
+        self._dropped_since_batch = 0
+        # samples of rollouts not kept since the last batch: other model, other sampling, and SampleStats
+        self._skipped_since_batch = {"other_model": 0, "other_sampling": 0}
+        self._stats_since_batch = SampleStats()
+
+    def poll(self) -> StepBatch | None:
+        """One check of the store (class doc): a batch when ``min_new`` rollouts wait, else None."""
+        ids, position = self.store.rewarded_since(self.state["reward_position"], name=self.reward_name)
+        pending: list[str] = []
+        dropped = assembled = 0
+        # rollouts left with no sample to train on (without_samples), and those of them that lost samples for
+        # calling another model or sampling otherwise
+        rejected = {"without_samples": 0, "other_model": 0, "other_sampling": 0}
+        for rid in dict.fromkeys([*self.state["pending"], *ids]):
+            # A waiting rollout rewarded again is read again (its reward changed); a used one is not.
+            if rid in self.state["used"] or rid in self.state["dropped"] or rid in self.state["taking"]:
+                continue
+            rollout = self.store.get_rollout(rid)
+            if rollout.mode != Mode.PROD:
+                continue
+            if rollout.status == RolloutStatus.RUNNING:
+                pending.append(rid)  # rewarded mid-run: look again when it has ended
+                continue
+            if rollout.status != RolloutStatus.SUCCEEDED:
+                continue
+            traj = self.store.trajectory(rid, credit=self.credit, reward_name=self.reward_name)
+            assembled += 1
+            if traj.final_reward is None:
+                continue
+            served = self.served_version(traj)
+            if self.version - served > self.max_policy_lag:
+                self.state["dropped"][rid] = served
+                dropped += 1
+                continue
+            kept, stats, skipped = self.trainable(traj)
+            if kept:
+                self.waiting[rid] = traj
+                continue
+            self._stats_since_batch.add(stats)  # nothing to train on: counted, never waiting
+            rejected["without_samples"] += 1
+            for why, n in skipped.items():
+                self._skipped_since_batch[why] += n
+                rejected[why] += bool(n)
+        self.state.update(reward_position=position, pending=pending, waiting=list(self.waiting))
+        self._save()
+        self.last_check = {"rewarded_new": len(ids), "assembled": assembled, "pending": len(pending),
+                           "waiting": len(self.waiting), "dropped_stale": dropped, **rejected}
+        if rejected["other_model"] or rejected["other_sampling"]:
+            self._warn_skipped(rejected)
+        self._dropped_since_batch += dropped
+        if len(self.waiting) < self.min_new:
+            return None
+        return self._take()
+
+    def _take(self) -> StepBatch | None:
+        fresh = list(self.waiting.values())
+        samples: list[Sample] = []
+        stats = SampleStats()
+        stats.add(self._stats_since_batch)
+        skipped = dict(self._skipped_since_batch)
+        for traj in fresh:
+            kept, s, why = self.trainable(traj)
+            stats.add(s)
+            samples += kept
+            for key, n in why.items():
+                skipped[key] += n
+        if not samples:  # waiting rollouts read back by a trainer started with other settings (agents, level)
+            return None
+        ids = [t.rollout_id for t in fresh]
+        self.waiting.clear()
+        self.state.update(waiting=[], taking=ids,
+                          taking_versions={t.rollout_id: self.served_version(t) for t in fresh})
+        self._save()
+        batch = StepBatch(ids, [[t] for t in fresh], {str(RolloutStatus.SUCCEEDED): len(fresh)}, metrics={
+            "rollouts": len(fresh), "dropped_stale": self._dropped_since_batch,
+            "prefix_splits": stats.splits, "calls_without_engine_ids": stats.missing_token_ids,
+            "unrewarded_samples": stats.skipped_unrewarded, "skipped_other_model": skipped["other_model"],
+            "skipped_other_sampling": skipped["other_sampling"],
+            "train_reward": sum(t.final_reward for t in fresh) / len(fresh)}, samples=samples)
+        self._reset_counts()
+        return batch
+
+    def _reproducible(self, sampling: dict[str, Any]) -> bool:
+        """Whether a call sampled with ``sampling`` (its recorded request parameters) drew its tokens
+        from the distribution the trainer computes: softmax(logits / temperature), untruncated."""
+        temperature = sampling.get("temperature")
+        temperature = 1.0 if temperature is None else temperature  # not sent: the API's default
+        if not isinstance(temperature, (int, float)) or abs(temperature - self.temperature) > 1e-6:
+            return False
+        top_p, top_k, min_p = sampling.get("top_p"), sampling.get("top_k"), sampling.get("min_p")
+        return (top_p is None or top_p >= 1) and top_k in (None, 0, -1) and not min_p
+
+    def trainable(self, traj: Trajectory) -> tuple[list[Sample], SampleStats, dict[str, int]]:
+        """``traj``'s rewarded samples of calls to ``served_name`` sampled as the trainer computes;
+        with the sample counts and the samples left out, by reason."""
+        found, stats = trajectory_samples(traj, level=self.level, agents=self.agents)
+        calls = {c.index: c for c in traj.llm_calls}
+        kept: list[Sample] = []
+        skipped = {"other_model": 0, "other_sampling": 0}
+        for sample in found:
+            if sample.reward is None:
+                stats.skipped_unrewarded += 1
+            elif sample.policy is not None and sample.policy != self.served_name:
+                skipped["other_model"] += 1
+            elif not all(self._reproducible(calls[i].sampling_params) for i in sample.llm_call_indices if i in calls):
+                skipped["other_sampling"] += 1
+            else:
+                kept.append(sample)
+        return kept, stats, skipped
+
+    def _warn_skipped(self, rejected: dict[str, int]) -> None:
+        if rejected["other_sampling"]:
+            report_failure("continuous: production calls sampled otherwise", message=(
+                f"lightning-rl: {rejected['other_sampling']} rewarded production rollout(s) were sampled at another "
+                f"temperature than the trainer's ({self.temperature}), or with top-p/top-k/min-p; the trainer "
+                "computes log-probs at its temperature, untruncated, so they are not trained on. Give the trainer "
+                "the agents' temperature (--temperature) (logged once)"))
+        if rejected["other_model"]:
+            report_failure("continuous: production calls to another model", message=(
+                f"lightning-rl: {rejected['other_model']} rewarded production rollout(s) called only models other "
+                f"than {self.served_name!r} (the trained LoRA); they are not trained on (logged once)"))
