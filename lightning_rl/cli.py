@@ -346,6 +346,36 @@ def store_openapi() -> None:
     click.echo(openapi_schema())
 
 
+@main.command("gateway")
+@click.option("--upstream", "upstreams", multiple=True, required=True,
+              help="An OpenAI-compatible engine (vLLM), e.g. http://127.0.0.1:8000; repeat for several.")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --token.")
+@click.option("--port", type=int, default=8400, show_default=True)
+@click.option("--token", envvar="LIGHTNING_RL_GATEWAY_TOKEN", default=None,
+              help="Bearer token for opening rollouts and late rewards (default: $LIGHTNING_RL_GATEWAY_TOKEN).")
+@click.option("--log-level", default="warning", show_default=True)
+@_errors
+def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int, token: str | None,
+            log_level: str) -> None:
+    """Trace agents in any language: an OpenAI-compatible proxy that records rollouts into the store.
+
+    Open a rollout with POST /v1/rollouts; point the agent's OpenAI client at the base_url (or use the
+    api_key) it answers with; end it with POST /v1/rollouts/{id}/finish.
+
+    Example: lightning-rl gateway --upstream http://127.0.0.1:8000 --store runs.db --port 8400
+    """
+    from . import _api
+    from .gateway import Gateway, check_bind, serve
+
+    check_bind(host, token)
+    proxy = Gateway(list(upstreams), token=token)  # bad upstreams are refused before the store is opened
+    _api.configure(store=_open(store))
+    click.echo(f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True)
+    serve(proxy, host=host, port=port, log_level=log_level)
+
+
 @main.command("runner")
 @click.option("--agent", required=True, help="module:function of the traced agent to run on leased tasks.")
 @click.option("--store", default=None, help=STORE_HELP + " Usually http://HOST:PORT of a store server.")

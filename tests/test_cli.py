@@ -67,7 +67,9 @@ def test_export_jsonl_samples(db, tmp_path):
 def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
     for args in (["rollouts", "show", "nope", "--store", db],
                  ["export", "--store", db, "--credit", "bogus"],
-                 ["rollouts", "ls", "--store", "redis://x"]):
+                 ["rollouts", "ls", "--store", "redis://x"],
+                 ["gateway", "--upstream", "http://127.0.0.1:8000", "--host", "0.0.0.0"],  # no token
+                 ["gateway", "--upstream", "ftp://engine", "--store", db]):
         result = run(*args)
         assert result.exit_code == 1, args
         assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output

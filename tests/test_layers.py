@@ -1,7 +1,7 @@
 """Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
 
 bottom (records, errors, semconv, settings, diagnostics) <- tracer <- adapters; bottom <- store;
-the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
+tracer, adapters and store <- gateway; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
 functions count too: a lazy import still runs against the flow.
 """
 
@@ -17,10 +17,11 @@ BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics"}
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {
-    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server"},
-    "tracer": {"store", "adapters", "trainer_bridge", "face"},
-    "store": {"tracer", "adapters", "trainer_bridge", "face"},
-    "adapters": {"store", "trainer_bridge", "face"},
+    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway"},
+    "tracer": {"store", "adapters", "trainer_bridge", "face", "gateway"},
+    "store": {"tracer", "adapters", "trainer_bridge", "face", "gateway"},
+    "adapters": {"store", "trainer_bridge", "face", "gateway"},
+    "gateway": {"trainer_bridge", "face"},  # the tracer and its openai adapter behind HTTP
 }
 
 
@@ -79,7 +80,7 @@ def test_no_import_runs_against_the_flow():
 
 def test_every_package_module_is_in_a_known_layer():
     layers = {layer_of(dotted) for dotted, _, _ in _modules()}
-    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server"}
+    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server", "gateway"}
     assert {"bottom", "tracer", "store", "adapters"} <= layers
 
 

@@ -414,6 +414,39 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
                 log_level=log_level, access_log=False, timeout_graceful_shutdown=10)
 
 
+class ServerThread:
+    """An ASGI app served by uvicorn on a thread of this process, on a socket bound at construction
+    (so ``port`` and ``url`` are known before it starts). Port 0 picks a free port."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "lightning-rl-server") -> None:
+        import socket
+
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name=name, daemon=True)
+
+    def start(self, what: str) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise StoreError(f"{what} on {self.url} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._socket.close()
+
+
 class BackgroundServer:
     """The server on a thread of this process (tests, notebooks, one-process set-ups).
 
@@ -422,37 +455,19 @@ class BackgroundServer:
     def __init__(self, db: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  store_options: dict[str, Any] | None = None) -> None:
-        import socket
-
-        import uvicorn
-
         from .sqlite_store import SQLiteStore
 
         self.store = SQLiteStore(db, **(store_options or {}))
         guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
-        self.port = self._socket.getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(guarded, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="lightning-rl-store-server", daemon=True)
+        self._thread = ServerThread(guarded, host=host, port=port, name="lightning-rl-store-server")
+        self.port, self.url = self._thread.port, self._thread.url
 
     def __enter__(self) -> "BackgroundServer":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise StoreError(f"the store server on {self.url} did not start")
-            time.sleep(0.01)
+        self._thread.start("the store server")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(30)
-        self._socket.close()
+        self._thread.stop()
         self.store.close()
 
 
@@ -464,4 +479,4 @@ def openapi_schema() -> str:
     return json.dumps(app.openapi(), indent=2)
 
 
-__all__ = ["BackgroundServer", "create_app", "serve", "openapi_schema", "is_loopback"]
+__all__ = ["BackgroundServer", "ServerThread", "create_app", "serve", "openapi_schema", "is_loopback"]

@@ -105,6 +105,19 @@ def current_agent_name() -> str | None:
 
 
 @contextlib.contextmanager
+def rollout_scope(state: RolloutState, agent: str | None = None) -> Iterator[None]:
+    """Make ``state`` the active rollout (and ``agent`` the calling agent) for the block: for a rollout
+    whose calls arrive one by one from outside this process (the gateway)."""
+    rollout_token = _rollout.set(state)
+    agent_token = _agent.set(agent)
+    try:
+        yield
+    finally:
+        _agent.reset(agent_token)
+        _rollout.reset(rollout_token)
+
+
+@contextlib.contextmanager
 def agent_scope(name: str) -> Iterator[None]:
     """Name the agent for every LLM call made inside (also across awaits and copied-context threads).
 

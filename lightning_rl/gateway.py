@@ -1,0 +1,567 @@
+"""The gateway: trace agents in any language or process (``lightning-rl gateway``).
+
+An HTTP server (FastAPI + uvicorn; httpx to the engines) in front of one or more OpenAI-compatible
+engines (vLLM). An agent that cannot import lightning_rl (a Node or Go service, a CLI, a container)
+opens a rollout over HTTP and points its OpenAI client at the rollout: every call it makes is
+forwarded to an engine and recorded as ``@trace`` records a Python agent's calls, through the same
+code (``adapters/openai.LLMCall``): the same spans with the engine's token ids and log-probs, the
+same rollouts and rewards, in whatever store the tracer writes to (a SQLite file or the store server).
+
+Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "code": status, "details": [...]}}``):
+
+* ``POST /v1/rollouts`` ``{task, group_id?, attempt?, mode?, agent?, name?}`` opens a rollout and
+  answers ``{rollout_id, base_url, api_key}``. ``base_url`` (``.../rollouts/{id}/v1``) and ``api_key``
+  each route a client's calls to the rollout alone, so an unmodified client that lets you set only
+  one of them works.
+* ``POST .../v1/chat/completions`` and ``POST .../v1/completions``, streamed (SSE) or not, under the
+  rollout's base URL, or under ``/v1`` with the rollout's key as the bearer token. The gateway asks
+  the engine for token ids and log-probs itself (``return_token_ids``, ``logprobs``) and takes out
+  of the answer what the client did not ask for; the rest is what the engine sent. An agent name per
+  call: ``.../rollouts/{id}/agents/{agent}/v1/...`` or the ``X-Lightning-RL-Agent`` header.
+* Tool spans come from the conversation itself: a ``tool`` message answering one of the assistant's
+  tool calls becomes a tool span (name, call id, arguments, result) the first time a request carries
+  it.
+* ``POST /v1/rollouts/{id}/rewards`` ``{value, name?}``: a reward, mid-run (on the rollout's latest
+  finished call, as ``emit_reward``) or after the end (late feedback).
+* ``POST /v1/rollouts/{id}/finish`` ``{status, reward?, error?}``: the end (``succeeded``/``failed``).
+* ``GET /v1/health``.
+
+Engines: a rollout's calls stick to one upstream (its prefix cache); a new rollout goes to the
+upstream with the fewest calls in flight among those not marked down. An upstream that cannot be
+reached is marked down for ``down_for`` seconds and the call goes to the next; a call no upstream can
+serve gets 502 and is recorded on the rollout as a failed call. Policy versions are stamped as the
+tracer stamps them: from the publishes recorded in the store.
+
+Auth: with a token (required when bound beyond loopback), every route but health needs
+``Authorization: Bearer <token>``, except a rollout's own calls, rewards and finish, which its key
+also opens; a rollout key opens nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import orjson
+
+from . import semconv
+from .adapters.openai import LLMCall, _refused_token_fields, _resend_without_token_fields
+from .diagnostics import count, report_failure
+from .errors import ConfigurationError, InvalidRewardError, check_reward
+from .records import Reward, RewardSource, Rollout, RolloutStatus
+from .settings import MODES
+from .tracer.context import RolloutState, rollout_scope
+from .tracer.provider import current_span_of_ours, record_tool_span, tracing
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
+except ImportError as exc:  # the gateway is an extra, like the store server
+    raise ConfigurationError(
+        f"the gateway needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
+    ) from None
+
+DEFAULT_MAX_BODY = 16 * 2**20
+AGENT_HEADER = "x-lightning-rl-agent"
+_KEY_PREFIX = "lrl-"
+_ENDPOINTS = {"chat/completions": semconv.OP_CHAT, "completions": semconv.OP_TEXT_COMPLETION}
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses: answered with ``status`` and a message naming the fix."""
+
+    def __init__(self, status: int, error: str, details: list[str] | None = None) -> None:
+        super().__init__(error)
+        self.status, self.error, self.details = status, error, details or []
+
+
+@dataclass(eq=False)
+class OpenRollout:
+    """A rollout opened over HTTP and not finished yet."""
+
+    rollout: Rollout
+    state: RolloutState
+    span: Any
+    key: str
+    upstream: str | None = None
+    tool_calls_seen: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Options:
+    """What ``LLMCall`` reads of an openai request's options: the body, and the fields it adds."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.json_data = body
+        self.extra_json: dict[str, Any] | None = None
+
+
+class _Client:
+    """What ``LLMCall`` reads of an openai client: the server it talks to."""
+
+    def __init__(self, upstream: str) -> None:
+        self.base_url = httpx.URL(upstream)
+
+
+class _UpstreamStatus(Exception):
+    def __init__(self, status_code: int, text: str) -> None:
+        super().__init__(f"the engine answered {status_code}: {text[:500]}")
+        self.status_code = status_code
+
+
+def _strip(obj: dict[str, Any], injected: tuple[str, ...]) -> dict[str, Any]:
+    """An engine's answer (or stream chunk) less what the gateway asked for and the client did not."""
+    if "return_token_ids" in injected:
+        obj.pop("prompt_token_ids", None)
+    for choice in obj.get("choices") or ():
+        if "return_token_ids" in injected:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        if "logprobs" in injected and "logprobs" in choice:
+            choice["logprobs"] = None
+    return obj
+
+
+class Gateway:
+    """The gateway's state: open rollouts, upstreams, and the forwarding (module doc)."""
+
+    def __init__(self, upstreams: list[str], *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+                 down_for: float = 10.0, timeout: float = 600.0) -> None:
+        if not upstreams:
+            raise ConfigurationError("the gateway needs at least one --upstream URL (an OpenAI-compatible engine, "
+                                     "e.g. http://127.0.0.1:8000)")
+        cleaned = []
+        for url in upstreams:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigurationError(f"--upstream must be an http(s):// URL of an OpenAI-compatible server, "
+                                         f"got {url!r}")
+            cleaned.append(url.rstrip("/").removesuffix("/v1"))
+        self.upstreams = cleaned
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+        self.down_for = down_for
+        self.timeout = timeout
+        self.rollouts: dict[str, OpenRollout] = {}
+        self._by_key: dict[str, str] = {}
+        self._in_flight = dict.fromkeys(cleaned, 0)
+        self._down_until = dict.fromkeys(cleaned, 0.0)
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def store(self) -> Any:
+        return tracing.sink()
+
+    # -- auth ----------------------------------------------------------------------------------------
+    def _bearer(self, headers: Any) -> str | None:
+        scheme, _, given = (headers.get("authorization") or "").partition(" ")
+        return given.strip() if scheme.lower() == "bearer" and given.strip() else None
+
+    def check_admin(self, headers: Any) -> None:
+        """The gateway's own token, where one is set (opening rollouts)."""
+        if self.token is None:
+            return
+        given = self._bearer(headers)
+        if given is None or not hmac.compare_digest(given, self.token):
+            raise GatewayError(401, f"{'missing' if given is None else 'wrong'} bearer token; send "
+                                    "'Authorization: Bearer <token>' with the gateway's token (--token)")
+
+    def rollout_for(self, rollout_id: str | None, headers: Any) -> OpenRollout:
+        """The open rollout a request is for: named by its path, its key, or both (then they agree)."""
+        given = self._bearer(headers)
+        by_key = self._by_key.get(given) if given and given.startswith(_KEY_PREFIX) else None
+        if given and given.startswith(_KEY_PREFIX) and by_key is None:
+            raise GatewayError(401, "unknown rollout key; open a rollout with POST /v1/rollouts and use the "
+                                    "api_key it answers with (a finished rollout's key no longer works)")
+        if rollout_id is None:
+            if by_key is None:
+                raise GatewayError(401, "no rollout named: call through the rollout's base_url "
+                                        "(/rollouts/{id}/v1) or send its api_key as the bearer token")
+            rollout_id = by_key
+        elif by_key is not None and by_key != rollout_id:
+            raise GatewayError(403, f"this key belongs to another rollout than {rollout_id!r}; a rollout key "
+                                    "writes only its own rollout")
+        elif by_key is None and self.token is not None and not (given and hmac.compare_digest(given, self.token)):
+            raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
+        active = self.rollouts.get(rollout_id)
+        if active is None:
+            if self._finished(rollout_id):
+                raise GatewayError(409, f"rollout {rollout_id!r} has finished; open a new one for more calls")
+            raise GatewayError(404, f"unknown rollout {rollout_id!r}; open one with POST /v1/rollouts")
+        return active
+
+    def _finished(self, rollout_id: str) -> bool:
+        try:
+            return self.store.get_rollout(rollout_id).status.finished
+        except Exception:
+            return False
+
+    # -- rollouts ------------------------------------------------------------------------------------
+    def open_rollout(self, body: dict[str, Any], base_url: str) -> dict[str, Any]:
+        task = body.get("task")
+        mode = body.get("mode") or tracing.settings.mode
+        if mode not in MODES:
+            raise GatewayError(422, f"mode {mode!r} is not one of {', '.join(MODES)}")
+        agent, name = body.get("agent"), body.get("name") or body.get("agent") or "gateway"
+        for key, value in (("agent", agent), ("name", name), ("group_id", body.get("group_id"))):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise GatewayError(422, f"{key} must be a non-empty string, got {value!r}")
+        attempt = body.get("attempt", 0)
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+            raise GatewayError(422, f"attempt must be an int >= 0, got {attempt!r}")
+        rollout_id = uuid.uuid4().hex
+        group_id = body.get("group_id") or uuid.uuid5(uuid.NAMESPACE_URL, orjson.dumps(
+            task, option=orjson.OPT_SORT_KEYS).decode()).hex[:16]
+        rollout = Rollout(rollout_id=rollout_id, name=name, agent=agent or name, task=task, group_id=group_id,
+                          attempt=attempt, mode=mode, status=RolloutStatus.RUNNING,
+                          policy_version=tracing.policy_version())
+        self.store.start_rollout(rollout)
+        state = RolloutState(rollout_id, name, agent or name, mode, rollout.policy_version, group_id=group_id,
+                             attempt=attempt)
+        span = tracing.tracer.start_span(f"invoke_agent {rollout.agent}", attributes={
+            semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: rollout.agent,
+            semconv.ROLLOUT_ID: rollout_id, semconv.POLICY_VERSION: rollout.policy_version})
+        key = _KEY_PREFIX + secrets.token_urlsafe(24)
+        self.rollouts[rollout_id] = OpenRollout(rollout, state, span, key)
+        self._by_key[key] = rollout_id
+        count("gateway_rollouts_opened")
+        return {"rollout_id": rollout_id, "base_url": f"{base_url.rstrip('/')}/rollouts/{rollout_id}/v1",
+                "api_key": key, "group_id": group_id}
+
+    def reward(self, rollout_id: str, body: dict[str, Any], headers: Any) -> dict[str, Any]:
+        name = body.get("name", "reward")
+        if not isinstance(name, str) or not name:
+            raise GatewayError(422, f"name must be a non-empty string, got {name!r}")
+        try:
+            value = check_reward(body.get("value"), what=f"reward {name!r}")
+        except InvalidRewardError as exc:
+            raise GatewayError(422, str(exc)) from None
+        active = self.rollouts.get(rollout_id)
+        if active is None:  # late feedback on a finished rollout: needs the gateway's token, not a key
+            if not self._finished(rollout_id):
+                raise GatewayError(404, f"unknown rollout {rollout_id!r}")
+            self.check_admin(headers)
+            self.store.add_reward(rollout_id, value, name=name)
+            return {"rollout_id": rollout_id, "late": True}
+        self.rollout_for(rollout_id, headers)
+        index = active.state.last_llm_call
+        self.store.write_reward(Reward(rollout_id=rollout_id, value=value, name=name, llm_call_index=index,
+                                       source=RewardSource.EMITTED))
+        return {"rollout_id": rollout_id, "late": False, "llm_call_index": index}
+
+    def finish(self, rollout_id: str, body: dict[str, Any], headers: Any) -> dict[str, Any]:
+        active = self.rollout_for(rollout_id, headers)
+        status = body.get("status", "succeeded")
+        if status not in (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.TIMED_OUT):
+            raise GatewayError(422, f"status must be 'succeeded', 'failed' or 'timed_out', got {status!r}")
+        error = body.get("error")
+        if error is not None and not isinstance(error, str):
+            raise GatewayError(422, f"error must be a string, got {error!r}")
+        reward = body.get("reward")
+        if reward is not None:
+            try:
+                reward = check_reward(reward, what="the rollout's reward")
+            except InvalidRewardError as exc:
+                raise GatewayError(422, str(exc)) from None
+        with active.lock:
+            if self.rollouts.pop(rollout_id, None) is None:
+                raise GatewayError(409, f"rollout {rollout_id!r} has finished")
+        self._by_key.pop(active.key, None)
+        if reward is not None:
+            self.store.write_reward(Reward(rollout_id=rollout_id, value=reward, source=RewardSource.RETURNED))
+        for call in list(active.state.open_calls.values()):  # streams the agent never finished reading
+            call.finish(incomplete=True)
+        try:
+            if status != RolloutStatus.SUCCEEDED:
+                from opentelemetry.trace import Status, StatusCode
+
+                active.span.set_status(Status(StatusCode.ERROR, error or status))
+            active.span.end()
+        except Exception as exc:
+            report_failure("gateway rollout span end", exc)
+        self.store.finish_rollout(rollout_id, RolloutStatus(status), time.time(), error,
+                                  active.state.oldest_call_version)
+        self.store.flush(tracing.settings.flush_timeout)
+        return {"rollout_id": rollout_id, "status": status}
+
+    # -- calls ---------------------------------------------------------------------------------------
+    def _pick(self, active: OpenRollout) -> list[str]:
+        """Upstreams to try, in order: the rollout's own first, then the least busy of those up."""
+        now = time.monotonic()
+        up = [u for u in self.upstreams if self._down_until[u] <= now]
+        ranked = sorted(up, key=lambda u: self._in_flight[u])
+        if active.upstream in up:
+            ranked.remove(active.upstream)
+            ranked.insert(0, active.upstream)
+        return ranked or list(self.upstreams)  # all marked down: try them anyway
+
+    @contextlib.contextmanager
+    def _in_rollout(self, active: OpenRollout, agent: str | None) -> Iterator[None]:
+        with rollout_scope(active.state, agent), current_span_of_ours(active.span):
+            yield
+
+    def _tool_spans(self, active: OpenRollout, body: dict[str, Any]) -> None:
+        """A tool message answering one of the assistant's tool calls: a tool span, once per call id."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return
+        asked: dict[str, dict[str, Any]] = {}
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            for tc in message.get("tool_calls") or ():
+                if isinstance(tc, dict) and tc.get("id"):
+                    asked[tc["id"]] = tc.get("function") or {}
+            call_id = message.get("tool_call_id")
+            if message.get("role") == "tool" and call_id and call_id not in active.tool_calls_seen:
+                active.tool_calls_seen.add(call_id)
+                fn = asked.get(call_id, {})
+                with record_tool_span(fn.get("name") or message.get("name") or "tool", call_id,
+                                      fn.get("arguments"), SimpleNamespace(result=message.get("content"))):
+                    pass
+
+    def start_call(self, active: OpenRollout, op: str, body: dict[str, Any], agent: str | None,
+                   upstream: str) -> LLMCall:
+        with self._in_rollout(active, agent):
+            if op == semconv.OP_CHAT:
+                self._tool_spans(active, body)
+            return LLMCall(_Client(upstream), _Options(body), op, active.state)
+
+    async def forward(self, active: OpenRollout, path: str, body: dict[str, Any], agent: str | None) -> Any:
+        """Send one call to an engine and record it; returns (status, JSON) or an async iterator of SSE bytes."""
+        op = _ENDPOINTS[path]
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0))
+        errors: list[str] = []
+        for upstream in self._pick(active):
+            call = self.start_call(active, op, body, agent, upstream)
+            try:
+                result = await self._send(call, upstream, path, body)
+            except httpx.TransportError as exc:
+                self._down_until[upstream] = time.monotonic() + self.down_for
+                errors.append(f"{upstream}: {type(exc).__name__}: {exc}")
+                call.finish(error=ConnectionError(f"{upstream} could not be reached: {exc}"))
+                count("gateway_upstream_unreachable")
+                continue
+            active.upstream = upstream
+            return result
+        raise GatewayError(502, "no upstream engine could serve this call (tried them all); it is recorded on the "
+                                "rollout as a failed call", errors)
+
+    async def _send(self, call: LLMCall, upstream: str, path: str, body: dict[str, Any]) -> Any:
+        url = f"{upstream}/v1/{path}"
+        stream = bool(body.get("stream"))
+        while True:
+            sent = {**body, **(call.options.extra_json or {})}
+            request = self._http.build_request("POST", url, json=sent)
+            self._in_flight[upstream] += 1
+            try:
+                response = await self._http.send(request, stream=stream)
+            except BaseException:
+                self._in_flight[upstream] -= 1
+                raise
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                await response.aclose()
+                self._in_flight[upstream] -= 1
+                refused = _UpstreamStatus(response.status_code, text)
+                if _resend_without_token_fields(call, refused):
+                    _refused_token_fields(call)
+                    continue
+                call.finish(error=refused)
+                return response.status_code, _error_json(text)
+            if not stream:
+                try:
+                    data = orjson.loads(await response.aread())
+                finally:
+                    await response.aclose()
+                    self._in_flight[upstream] -= 1
+                call.record_response(_parsed(call.op, data, chunk=False))
+                return 200, _strip(data, call.injected)
+            call.streamed = True
+            return self._relay(call, response, upstream)
+
+    async def _relay(self, call: LLMCall, response: httpx.Response, upstream: str) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    if line:
+                        yield (line + "\n\n").encode()
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    finished = True
+                    yield b"data: [DONE]\n\n"
+                    continue
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    yield (line + "\n\n").encode()
+                    continue
+                call.on_chunk(_parsed(call.op, data, chunk=True))
+                yield b"data: " + orjson.dumps(_strip(data, call.injected)) + b"\n\n"
+        finally:
+            await response.aclose()
+            self._in_flight[upstream] -= 1
+            call.finish(incomplete=not finished)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+def _parsed(op: str, data: dict[str, Any], *, chunk: bool) -> Any:
+    """The openai type ``LLMCall`` reads (vLLM's extra fields kept as the model's extras)."""
+    if op == semconv.OP_CHAT:
+        from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+        return (ChatCompletionChunk if chunk else ChatCompletion).model_validate(data)
+    from openai.types import Completion
+
+    return Completion.model_validate(data)
+
+
+def _error_json(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return {"error": {"message": text[:2000]}}
+
+
+def create_app(gateway: Gateway) -> Any:
+    """The ASGI app serving ``gateway``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="lightning-rl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    def _json(data: Any, status: int = 200) -> Response:
+        return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+    async def _body(request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > gateway.max_body_bytes:
+            raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > gateway.max_body_bytes:
+            raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
+        try:
+            body = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(400, "the request body is not valid JSON", [str(exc)]) from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    @app.exception_handler(GatewayError)
+    async def _refused(request: Request, exc: GatewayError) -> Response:
+        # OpenAI's error shape, so that an agent's OpenAI client shows the reason
+        return _json({"error": {"message": exc.error, "type": "lightning_rl_gateway", "code": exc.status,
+                                "details": exc.details}}, exc.status)
+
+    @app.get("/v1/health")
+    async def health() -> Response:
+        now = time.monotonic()
+        return _json({"ok": True, "open_rollouts": len(gateway.rollouts),
+                      "upstreams": {u: {"up": gateway._down_until[u] <= now, "in_flight": gateway._in_flight[u]}
+                                    for u in gateway.upstreams}})
+
+    @app.post("/v1/rollouts")
+    async def open_rollout(request: Request) -> Response:
+        gateway.check_admin(request.headers)
+        body = await _body(request)
+        return _json(await asyncio.to_thread(gateway.open_rollout, body, str(request.base_url)))
+
+    @app.post("/v1/rollouts/{rollout_id}/rewards")
+    async def reward(rollout_id: str, request: Request) -> Response:
+        body = await _body(request)
+        return _json(await asyncio.to_thread(gateway.reward, rollout_id, body, request.headers))
+
+    @app.post("/v1/rollouts/{rollout_id}/finish")
+    async def finish(rollout_id: str, request: Request) -> Response:
+        body = await _body(request)
+        return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
+
+    async def _call(request: Request, rollout_id: str | None, path: str, agent: str | None) -> Response:
+        active = gateway.rollout_for(rollout_id, request.headers)
+        body = await _body(request)
+        if not isinstance(body.get("model"), str):
+            raise GatewayError(422, f"model must be the served model's name (a string), got {body.get('model')!r}")
+        agent = agent or request.headers.get(AGENT_HEADER)
+        result = await gateway.forward(active, path, body, agent)
+        if isinstance(result, tuple):
+            status, data = result
+            return _json(data, status)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    for path in _ENDPOINTS:
+        def routes(path: str = path) -> None:
+            @app.post(f"/v1/{path}", name=f"{path} (rollout by key)")
+            async def by_key(request: Request) -> Response:
+                return await _call(request, None, path, None)
+
+            @app.post(f"/rollouts/{{rollout_id}}/v1/{path}", name=f"{path} (rollout by path)")
+            async def by_path(rollout_id: str, request: Request) -> Response:
+                return await _call(request, rollout_id, path, None)
+
+            @app.post(f"/rollouts/{{rollout_id}}/agents/{{agent}}/v1/{path}", name=f"{path} (an agent's call)")
+            async def by_agent(rollout_id: str, agent: str, request: Request) -> Response:
+                return await _call(request, rollout_id, path, agent)
+
+        routes()
+
+    return app
+
+
+def check_bind(host: str, token: str | None) -> None:
+    from .store.server import is_loopback
+
+    if not token and not is_loopback(host):
+        raise ConfigurationError(f"binding the gateway to {host!r} exposes it beyond this machine; give it a "
+                                 "token (--token or LIGHTNING_RL_GATEWAY_TOKEN), or bind to 127.0.0.1")
+
+
+class BackgroundGateway:
+    """The gateway on a thread of this process (tests, notebooks). Port 0 picks a free port."""
+
+    def __init__(self, upstreams: list[str], *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 **options: Any) -> None:
+        from .store.server import ServerThread
+
+        check_bind(host, token)
+        self.gateway = Gateway(upstreams, token=token, **options)
+        self._thread = ServerThread(create_app(self.gateway), host=host, port=port, name="lightning-rl-gateway")
+        self.port, self.url = self._thread.port, self._thread.url
+
+    def __enter__(self) -> BackgroundGateway:
+        self._thread.start("the gateway")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.stop()
+
+
+def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_level: str = "warning") -> None:
+    """Run the gateway until interrupted (one process: its open rollouts live in memory)."""
+    import uvicorn
+
+    check_bind(host, gateway.token)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=10)
+
+
+__all__ = ["BackgroundGateway", "Gateway", "GatewayError", "create_app", "serve"]
