@@ -9,9 +9,9 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer model test test-fast test-other-seed soak demo demo-team demo-continuous demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer node-deps model test test-fast test-other-seed soak demo demo-team demo-continuous demo-spine bench clean
 
-all: venv venv-vllm model
+all: venv venv-vllm model node-deps
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ venv-verl: $(VERL_VENV)/.stamp
 .venv-peer/.stamp: constraints-peer.txt scripts/make_peer_venv.sh
 	PYTHON=$(PYTHON) scripts/make_peer_venv.sh .venv-peer
 venv-peer: .venv-peer/.stamp
+
+# The Node.js agent of the gateway tests and example: the official openai npm package, pinned by
+# examples/gateway_node/package-lock.json, installed into the repo (nothing is fetched at test time).
+NODE_DIR := examples/gateway_node
+$(NODE_DIR)/node_modules/.stamp: $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+node-deps: $(NODE_DIR)/node_modules/.stamp
 
 MODEL_ARGS := --layers 4 --warm-start-steps 1200
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp

@@ -5,7 +5,7 @@ LangChain, AutoGen) is captured with the serving engine's token ids and logprobs
 (SQLite by default), and assembled into trajectories with rewards, ready for training.
 """
 
-from ._api import configure, flush, open_store, set_policy_version, stats
+from ._api import command, configure, flush, open_store, set_policy_version, stats
 from .adapters import install as _instrument_frameworks
 from .adapters.openai import instrument as _instrument_openai
 from .errors import (
@@ -68,6 +68,7 @@ __all__ = [
     "UnknownNameError",
     "__version__",
     "agent_scope",
+    "command",
     "configure",
     "current_endpoint",
     "current_rollout_id",

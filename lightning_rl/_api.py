@@ -78,3 +78,12 @@ def stats() -> dict[str, int]:
 
 
 tracing.set_sink_factory(_open_store)
+
+
+def command(argv: Sequence[str], **options: Any) -> Any:
+    """An agent that is a command, in any language: ``lrl.command(["node", "agent.mjs"], upstream=URL)``
+    returns a traced async ``agent(task)`` whose process calls the model through an in-process gateway
+    (``lightning_rl.gateway.command`` says what the process gets and how its reward is read)."""
+    from .gateway import command as _command  # late: the gateway needs FastAPI (the server extra)
+
+    return _command(argv, **options)

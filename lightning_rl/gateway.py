@@ -40,13 +40,16 @@ also opens; a rollout key opens nothing else.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import hmac
+import math
+import os
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -57,11 +60,12 @@ import orjson
 from . import semconv
 from .adapters.openai import LLMCall, _refused_token_fields, _resend_without_token_fields
 from .diagnostics import count, report_failure
-from .errors import ConfigurationError, InvalidRewardError, check_reward
+from .errors import ConfigurationError, InvalidRewardError, LightningRLError, check_reward
 from .records import Reward, RewardSource, Rollout, RolloutStatus
 from .settings import MODES
-from .tracer.context import RolloutState, rollout_scope
-from .tracer.provider import current_span_of_ours, record_tool_span, tracing
+from .tracer.context import RolloutState, current_rollout, rollout_scope
+from .tracer.decorator import trace
+from .tracer.provider import current_our_span, current_span_of_ours, record_tool_span, tracing
 
 try:
     from fastapi import FastAPI, Request
@@ -89,7 +93,7 @@ class GatewayError(Exception):
 class OpenRollout:
     """A rollout opened over HTTP and not finished yet."""
 
-    rollout: Rollout
+    rollout: Rollout | None  # None: adopted (a rollout of this process, ended by its @trace)
     state: RolloutState
     span: Any
     key: str
@@ -237,6 +241,20 @@ class Gateway:
         return {"rollout_id": rollout_id, "base_url": f"{base_url.rstrip('/')}/rollouts/{rollout_id}/v1",
                 "api_key": key, "group_id": group_id}
 
+    def adopt(self, state: RolloutState, span: Any, base_url: str) -> dict[str, Any]:
+        """Route calls to a rollout of this process (``command``): a key and a base URL for it. The
+        rollout is ended by its own ``@trace``, not over HTTP; ``release`` forgets the key."""
+        key = _KEY_PREFIX + secrets.token_urlsafe(24)
+        self.rollouts[state.rollout_id] = OpenRollout(None, state, span, key)
+        self._by_key[key] = state.rollout_id
+        return {"rollout_id": state.rollout_id, "base_url": f"{base_url.rstrip('/')}/rollouts/{state.rollout_id}/v1",
+                "api_key": key}
+
+    def release(self, rollout_id: str) -> None:
+        active = self.rollouts.pop(rollout_id, None)
+        if active is not None:
+            self._by_key.pop(active.key, None)
+
     def reward(self, rollout_id: str, body: dict[str, Any], headers: Any) -> dict[str, Any]:
         name = body.get("name", "reward")
         if not isinstance(name, str) or not name:
@@ -260,6 +278,9 @@ class Gateway:
 
     def finish(self, rollout_id: str, body: dict[str, Any], headers: Any) -> dict[str, Any]:
         active = self.rollout_for(rollout_id, headers)
+        if active.rollout is None:
+            raise GatewayError(409, f"rollout {rollout_id!r} is a command's (lrl.command): it ends when the command "
+                                    "exits, with the reward on its last line of output or sent to the rewards route")
         status = body.get("status", "succeeded")
         if status not in (RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.TIMED_OUT):
             raise GatewayError(422, f"status must be 'succeeded', 'failed' or 'timed_out', got {status!r}")
@@ -527,6 +548,86 @@ def create_app(gateway: Gateway) -> Any:
     return app
 
 
+class CommandFailed(LightningRLError, RuntimeError):
+    """A command agent exited with a non-zero status (its rollout is recorded as failed)."""
+
+
+_LOCAL: dict[tuple[str, ...], BackgroundGateway] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_gateway(upstreams: list[str]) -> BackgroundGateway:
+    """This process's gateway in front of ``upstreams`` (started once, on a thread, on loopback)."""
+    key = tuple(upstreams)
+    with _LOCAL_LOCK:
+        gw = _LOCAL.get(key)
+        if gw is None:
+            gw = _LOCAL[key] = BackgroundGateway(list(upstreams)).__enter__()
+            atexit.register(gw.__exit__, None, None, None)
+        return gw
+
+
+def _reward_of(stdout: bytes) -> float | None:
+    """The number on the last non-empty line of a command's output, if it is one."""
+    lines = [x.strip() for x in stdout.decode(errors="replace").splitlines() if x.strip()]
+    if not lines:
+        return None
+    try:
+        value = float(lines[-1])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def command(argv: Sequence[str], *, upstream: str | Sequence[str], name: str | None = None,
+            agent: str | None = None, env: Mapping[str, str] | None = None, timeout: float | None = None,
+            mode: str | None = None) -> Callable[[Any], Any]:
+    """An agent that is a command: a traced async function ``agent(task)`` that runs ``argv`` once per
+    rollout, for ``Trainer`` or any caller, in any language.
+
+    The process gets the rollout's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (an in-process gateway in
+    front of ``upstream``, so every OpenAI-client call it makes is recorded with the engine's token
+    ids), the task as JSON on stdin and in ``LIGHTNING_RL_TASK``, and ``LIGHTNING_RL_REWARDS_URL``
+    (POST ``{"value": ..., "name": ...}``). A number on the last line of its output is the rollout's
+    reward. A non-zero exit fails the rollout with the end of its stderr (``CommandFailed``); a
+    ``timeout`` kills it."""
+    if isinstance(argv, str) or not argv or not all(isinstance(a, str) and a for a in argv):
+        raise ConfigurationError(f"command needs the program and its arguments as a list of strings, e.g. "
+                                 f"['node', 'agent.mjs'], got {argv!r}")
+    upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
+    Gateway(upstreams)  # bad URLs are refused here, before any rollout
+    argv = list(argv)
+    extra = dict(env or {})
+
+    @trace(name=name or os.path.basename(argv[-1]), agent=agent, mode=mode)
+    async def run(task: Any) -> float | None:
+        gw = local_gateway(upstreams)
+        state = current_rollout()
+        opened = gw.gateway.adopt(state, current_our_span(), gw.url)
+        task_json = orjson.dumps(task).decode()
+        child_env = {**os.environ, **extra, "OPENAI_BASE_URL": opened["base_url"], "OPENAI_API_KEY": opened["api_key"],
+                     "LIGHTNING_RL_ROLLOUT_ID": state.rollout_id, "LIGHTNING_RL_TASK": task_json,
+                     "LIGHTNING_RL_REWARDS_URL": f"{gw.url}/v1/rollouts/{state.rollout_id}/rewards"}
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env,
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(task_json.encode() + b"\n"), timeout)
+            except BaseException:  # timed out or cancelled: the process goes too
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                raise
+        finally:
+            gw.gateway.release(state.rollout_id)
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip()[-2000:]
+            raise CommandFailed(f"{' '.join(argv)} exited with status {proc.returncode}: {tail or '(no stderr)'}")
+        return _reward_of(out)
+
+    return run
+
+
 def check_bind(host: str, token: str | None) -> None:
     from .store.server import is_loopback
 
@@ -564,4 +665,4 @@ def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_le
                 timeout_graceful_shutdown=10)
 
 
-__all__ = ["BackgroundGateway", "Gateway", "GatewayError", "create_app", "serve"]
+__all__ = ["BackgroundGateway", "CommandFailed", "Gateway", "GatewayError", "command", "create_app", "serve"]

@@ -7,7 +7,7 @@ EXPECTED = {
     "NotAStoreError", "NotInRolloutError", "Reward", "RewardSource", "Rollout", "RolloutNotFoundError",
     "RolloutStatus", "SQLiteStore", "Sample", "SchemaTooNewError", "Span", "Store", "StoreError",
     "TaskNotSerializableError", "TokenIdsSource", "ToolCall", "Trajectory", "UnknownNameError",
-    "__version__", "agent_scope", "configure", "current_endpoint", "current_rollout_id", "emit_reward", "flush", "open_store",
+    "__version__", "agent_scope", "command", "configure", "current_endpoint", "current_rollout_id", "emit_reward", "flush", "open_store",
     "register_credit", "rollout_overrides", "set_policy_version", "stats", "tool_span", "trace",
 }
 

@@ -238,6 +238,11 @@ def parent_context(parent: Any = None) -> Any:
     return otel_trace.set_span_in_context(ours) if ours is not None else None
 
 
+def current_our_span() -> Any:
+    """Our innermost span in this context (a rollout's, an agent's), or None."""
+    return _our_span.get()
+
+
 @contextlib.contextmanager
 def current_span_of_ours(span: Any) -> Iterator[None]:
     """Make ``span`` (one of ours) the current OTel span and our innermost span for the block."""
