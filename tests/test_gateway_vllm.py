@@ -62,6 +62,8 @@ def test_an_unmodified_client_is_traced_through_its_base_url_streamed_and_not(tr
     traj = traced.trajectory(opened["rollout_id"])
     assert traj.status == RolloutStatus.SUCCEEDED and traj.final_reward == 1.0 and traj.mode == "eval"
     assert [c.streamed for c in traj.llm_calls] == [False, True]
+    (root,) = [s for s in traced.spans(opened["rollout_id"]) if s.name == "invoke_agent solver"]
+    assert root.parent_id is None and all(c.parent_id == root.span_id for c in traj.llm_calls)  # one tree
     for call in traj.llm_calls:  # the engine's own ids, as a direct call asking for them gets them
         assert call.token_ids_source == "engine" and call.agent_name == "solver"
         assert call.prompt_token_ids == direct.model_extra["prompt_token_ids"]

@@ -57,15 +57,16 @@ from typing import Any
 import httpx
 import orjson
 
-from . import semconv
-from .adapters.openai import LLMCall, _refused_token_fields, _resend_without_token_fields
-from .diagnostics import count, report_failure
-from .errors import ConfigurationError, InvalidRewardError, LightningRLError, check_reward
-from .records import Reward, RewardSource, Rollout, RolloutStatus
-from .settings import MODES
-from .tracer.context import RolloutState, current_rollout, rollout_scope
-from .tracer.decorator import trace
-from .tracer.provider import current_our_span, current_span_of_ours, record_tool_span, tracing
+from .. import semconv
+from ..adapters.openai import LLMCall, _refused_token_fields, _resend_without_token_fields
+from ..diagnostics import count, report_failure
+from ..errors import ConfigurationError, InvalidRewardError, LightningRLError, check_reward
+from ..records import Reward, RewardSource, Rollout, RolloutStatus, SpanRow
+from ..settings import MODES
+from ..tracer.context import RolloutState, current_rollout, rollout_scope
+from ..tracer.decorator import trace
+from ..tracer.provider import current_our_span, current_span_of_ours, record_tool_span, tracing
+from . import otlp
 
 try:
     from fastapi import FastAPI, Request
@@ -231,9 +232,10 @@ class Gateway:
         self.store.start_rollout(rollout)
         state = RolloutState(rollout_id, name, agent or name, mode, rollout.policy_version, group_id=group_id,
                              attempt=attempt)
-        span = tracing.tracer.start_span(f"invoke_agent {rollout.agent}", attributes={
-            semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: rollout.agent,
-            semconv.ROLLOUT_ID: rollout_id, semconv.POLICY_VERSION: rollout.policy_version})
+        with rollout_scope(state):  # the span processor numbers spans of the active rollout only
+            span = tracing.tracer.start_span(f"invoke_agent {rollout.agent}", attributes={
+                semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: rollout.agent,
+                semconv.ROLLOUT_ID: rollout_id, semconv.POLICY_VERSION: rollout.policy_version})
         key = _KEY_PREFIX + secrets.token_urlsafe(24)
         self.rollouts[rollout_id] = OpenRollout(rollout, state, span, key)
         self._by_key[key] = rollout_id
@@ -313,6 +315,58 @@ class Gateway:
                                   active.state.oldest_call_version)
         self.store.flush(tracing.settings.flush_timeout)
         return {"rollout_id": rollout_id, "status": status}
+
+    # -- OTLP in -------------------------------------------------------------------------------------
+    def take_spans(self, spans: list[dict[str, Any]], rollout_id: str | None, headers: Any) -> dict[str, Any]:
+        """Spans from an agent's OpenTelemetry SDK (``otlp.decode``) into their rollouts: the one named by
+        the span's or its resource's ``lightning_rl.rollout.id``, else by the request (path or key).
+        LLM-call spans are not stored (the gateway records calls itself, with the engine's ids); spans
+        of no open rollout, or of one the request's key does not open, are refused. Both are counted and
+        said in the answer (OTLP's partial success)."""
+        given = self._bearer(headers)
+        key_rollout = self._by_key.get(given) if given and given.startswith(_KEY_PREFIX) else None
+        is_admin = self.token is None or (given is not None and hmac.compare_digest(given, self.token))
+        if given and given.startswith(_KEY_PREFIX) and key_rollout is None:
+            raise GatewayError(401, "unknown rollout key; a finished rollout's key no longer works")
+        if key_rollout is None and not is_admin:
+            raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
+        if rollout_id is not None:
+            self.rollout_for(rollout_id, headers)
+        stored, why = 0, {}
+        for span in spans:
+            target = span["attributes"].get(semconv.ROLLOUT_ID) or rollout_id or key_rollout
+            active = self.rollouts.get(target) if isinstance(target, str) else None
+            reason = None
+            if active is None:
+                reason = "no open rollout named (lightning_rl.rollout.id, the path or the key)"
+            elif key_rollout is not None and target != key_rollout:
+                reason = "a rollout key writes only its own rollout"
+            elif span["attributes"].get(semconv.GEN_AI_OPERATION_NAME) in semconv.LLM_OPERATIONS:
+                reason = "LLM-call spans are recorded by the gateway itself, with the engine's token ids"
+            if reason is not None:
+                why[reason] = why.get(reason, 0) + 1
+                continue
+            self._write_external(active, span)
+            stored += 1
+        rejected = sum(why.values())
+        if rejected:
+            count("gateway_otlp_spans_refused", rejected)
+        return {"stored": stored, "rejected": rejected,
+                "message": "; ".join(f"{n} span(s): {reason}" for reason, n in why.items())}
+
+    def _write_external(self, active: OpenRollout, span: dict[str, Any]) -> None:
+        attributes = dict(span["attributes"])
+        attributes[semconv.ROLLOUT_ID] = active.state.rollout_id
+        if semconv.GEN_AI_OPERATION_NAME not in attributes:  # a tool's span, else an agent's step
+            attributes[semconv.GEN_AI_OPERATION_NAME] = (
+                semconv.OP_EXECUTE_TOOL if semconv.GEN_AI_TOOL_NAME in attributes else semconv.OP_INVOKE_AGENT)
+        root = active.span.get_span_context()
+        # The agent's own tree is kept (a child usually arrives before its parent, which ends later); its
+        # top spans hang under the rollout's root, and every span joins the rollout's trace.
+        self.store.write_span(SpanRow(
+            active.state.rollout_id, next(active.state.seq), root.trace_id, span["span_id"],
+            span["parent_id"] or root.span_id, span["name"], span["kind"], span["start_ns"], span["end_ns"],
+            span["status_code"], span["status_message"], attributes, span["events"]))
 
     # -- calls ---------------------------------------------------------------------------------------
     def _pick(self, active: OpenRollout) -> list[str]:
@@ -529,6 +583,28 @@ def create_app(gateway: Gateway) -> Any:
             return _json(data, status)
         return StreamingResponse(result, media_type="text/event-stream")
 
+    async def _traces(request: Request, rollout_id: str | None) -> Response:
+
+        body = await request.body()
+        if len(body) > gateway.max_body_bytes:
+            raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
+        kind = otlp.content_kind(request.headers.get("content-type"))
+        try:
+            spans = otlp.decode(body, kind, request.headers.get("content-encoding"))
+        except otlp.OTLPDecodeError as exc:
+            raise GatewayError(400, str(exc)) from None
+        taken = await asyncio.to_thread(gateway.take_spans, spans, rollout_id, request.headers)
+        return Response(otlp.encode_answer(taken["rejected"], taken["message"], kind),
+                        media_type="application/x-protobuf" if kind == "protobuf" else "application/json")
+
+    @app.post("/v1/traces")
+    async def traces(request: Request) -> Response:
+        return await _traces(request, None)
+
+    @app.post("/rollouts/{rollout_id}/v1/traces")
+    async def rollout_traces(rollout_id: str, request: Request) -> Response:
+        return await _traces(request, rollout_id)
+
     for path in _ENDPOINTS:
         def routes(path: str = path) -> None:
             @app.post(f"/v1/{path}", name=f"{path} (rollout by key)")
@@ -607,7 +683,10 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str], name: str | N
         task_json = orjson.dumps(task).decode()
         child_env = {**os.environ, **extra, "OPENAI_BASE_URL": opened["base_url"], "OPENAI_API_KEY": opened["api_key"],
                      "LIGHTNING_RL_ROLLOUT_ID": state.rollout_id, "LIGHTNING_RL_TASK": task_json,
-                     "LIGHTNING_RL_REWARDS_URL": f"{gw.url}/v1/rollouts/{state.rollout_id}/rewards"}
+                     "LIGHTNING_RL_REWARDS_URL": f"{gw.url}/v1/rollouts/{state.rollout_id}/rewards",
+                     # an agent instrumented with an OpenTelemetry SDK sends its spans to its rollout
+                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": opened["base_url"] + "/traces",
+                     "OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"authorization=Bearer%20{opened['api_key']}"}
         try:
             proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env,
                                                         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -629,7 +708,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str], name: str | N
 
 
 def check_bind(host: str, token: str | None) -> None:
-    from .store.server import is_loopback
+    from ..store.server import is_loopback
 
     if not token and not is_loopback(host):
         raise ConfigurationError(f"binding the gateway to {host!r} exposes it beyond this machine; give it a "
@@ -641,7 +720,7 @@ class BackgroundGateway:
 
     def __init__(self, upstreams: list[str], *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  **options: Any) -> None:
-        from .store.server import ServerThread
+        from ..store.server import ServerThread
 
         check_bind(host, token)
         self.gateway = Gateway(upstreams, token=token, **options)

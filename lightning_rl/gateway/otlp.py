@@ -1,0 +1,114 @@
+"""OTLP/HTTP trace requests in (protobuf or JSON), decoded with the ``opentelemetry-proto`` package.
+
+``decode`` turns an ``ExportTraceServiceRequest`` into plain span dicts (resource attributes under
+the span's own); ``encode_answer`` writes the ``ExportTraceServiceResponse``, with OTLP's partial
+success when spans were refused. OTLP/JSON differs from protobuf's JSON mapping in one place: trace
+and span ids are hex strings, not base64; they are converted before parsing.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import zlib
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+
+from ..errors import ConfigurationError, LightningRLError
+
+try:
+    from google.protobuf import json_format
+    from google.protobuf.message import DecodeError
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                          ExportTraceServiceResponse)
+except ImportError as exc:
+    raise ConfigurationError(f"OTLP in needs the opentelemetry-proto package ({exc}); install it with: "
+                             "pip install 'lightning-rl[server]'") from None
+
+_KINDS = {0: "INTERNAL", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+_STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+
+
+class OTLPDecodeError(LightningRLError, ValueError):
+    """A body that is not an OTLP trace export request."""
+
+
+def content_kind(content_type: str | None) -> str:
+    return "json" if content_type and "json" in content_type.lower() else "protobuf"
+
+
+def _value(v: Any) -> Any:
+    which = v.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return tuple(_value(x) for x in v.array_value.values)
+    if which == "kvlist_value":
+        return orjson.dumps({kv.key: _value(kv.value) for kv in v.kvlist_value.values}, default=repr).decode()
+    if which == "bytes_value":
+        return v.bytes_value.hex()
+    return getattr(v, which)
+
+
+def _attributes(kvs: Any) -> dict[str, Any]:
+    return {kv.key: value for kv in kvs if (value := _value(kv.value)) is not None}
+
+
+def _hex_ids_to_base64(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: (base64.b64encode(bytes.fromhex(v)).decode() if k in ("traceId", "spanId", "parentSpanId")
+                    and isinstance(v, str) and v else _hex_ids_to_base64(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_hex_ids_to_base64(x) for x in obj]
+    return obj
+
+
+def decode(body: bytes, kind: str, encoding: str | None = None) -> list[dict[str, Any]]:
+    """The spans of an OTLP trace export request (``kind``: ``protobuf`` or ``json``)."""
+    try:
+        if encoding and encoding.lower() == "gzip":
+            body = gzip.decompress(body)
+        elif encoding and encoding.lower() == "deflate":
+            body = zlib.decompress(body)
+    except (OSError, zlib.error) as exc:
+        raise OTLPDecodeError(f"the body is not valid {encoding} ({exc})") from None
+    request = ExportTraceServiceRequest()
+    try:
+        if kind == "json":
+            json_format.ParseDict(_hex_ids_to_base64(orjson.loads(body)), request, ignore_unknown_fields=True)
+        else:
+            request.ParseFromString(body)
+    except (DecodeError, json_format.ParseError, orjson.JSONDecodeError, ValueError, TypeError) as exc:
+        raise OTLPDecodeError(f"the body is not an OTLP trace export request ({kind}): {exc}; send "
+                              "ExportTraceServiceRequest as application/x-protobuf or application/json") from None
+    spans = []
+    for resource_spans in request.resource_spans:
+        resource = _attributes(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                spans.append({
+                    "name": span.name,
+                    "span_id": int.from_bytes(span.span_id, "big") if span.span_id else 0,
+                    "parent_id": int.from_bytes(span.parent_span_id, "big") if span.parent_span_id else None,
+                    "kind": _KINDS.get(span.kind, "INTERNAL"),
+                    "start_ns": span.start_time_unix_nano,
+                    "end_ns": span.end_time_unix_nano,
+                    "status_code": _STATUS.get(span.status.code, "UNSET"),
+                    "status_message": span.status.message or None,
+                    "attributes": {**resource, **_attributes(span.attributes)},
+                    "events": tuple(SimpleNamespace(name=e.name, timestamp=e.time_unix_nano,
+                                                    attributes=_attributes(e.attributes)) for e in span.events),
+                })
+    return spans
+
+
+def encode_answer(rejected: int, message: str, kind: str) -> bytes:
+    answer = ExportTraceServiceResponse()
+    if rejected:
+        answer.partial_success.rejected_spans = rejected
+        answer.partial_success.error_message = message
+    if kind == "json":
+        return orjson.dumps(json_format.MessageToDict(answer))
+    return answer.SerializeToString()
