@@ -18,6 +18,10 @@ Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "cod
   the engine for token ids and log-probs itself (``return_token_ids``, ``logprobs``) and takes out
   of the answer what the client did not ask for; the rest is what the engine sent. An agent name per
   call: ``.../rollouts/{id}/agents/{agent}/v1/...`` or the ``X-Lightning-RL-Agent`` header.
+* ``POST .../v1/messages``: Anthropic Messages, sent to the engine as chat completions and answered
+  in the Messages format, streamed or not (``anthropic.py``); the key also as ``x-api-key``.
+* ``POST /v1/traces`` (and under a rollout's path): OTLP/HTTP spans from the agent's own
+  OpenTelemetry SDK, added to the rollout they name (``otlp.py``).
 * Tool spans come from the conversation itself: a ``tool`` message answering one of the assistant's
   tool calls becomes a tool span (name, call id, arguments, result) the first time a request carries
   it.
@@ -66,7 +70,7 @@ from ..settings import MODES
 from ..tracer.context import RolloutState, current_rollout, rollout_scope
 from ..tracer.decorator import trace
 from ..tracer.provider import current_our_span, current_span_of_ours, record_tool_span, tracing
-from . import otlp
+from . import anthropic, otlp
 
 try:
     from fastapi import FastAPI, Request
@@ -137,6 +141,18 @@ def _strip(obj: dict[str, Any], injected: tuple[str, ...]) -> dict[str, Any]:
     return obj
 
 
+class ChatRenderer:
+    """A stream relayed as the engine sent it, less the token fields the client did not ask for."""
+
+    passthrough = True
+
+    def chunk(self, data: dict[str, Any], injected: tuple[str, ...]) -> bytes:
+        return b"data: " + orjson.dumps(_strip(data, injected)) + b"\n\n"
+
+    def done(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+
 class Gateway:
     """The gateway's state: open rollouts, upstreams, and the forwarding (module doc)."""
 
@@ -168,8 +184,11 @@ class Gateway:
 
     # -- auth ----------------------------------------------------------------------------------------
     def _bearer(self, headers: Any) -> str | None:
+        """The bearer token, or the ``x-api-key`` header (Anthropic's clients send the key there)."""
         scheme, _, given = (headers.get("authorization") or "").partition(" ")
-        return given.strip() if scheme.lower() == "bearer" and given.strip() else None
+        if scheme.lower() == "bearer" and given.strip():
+            return given.strip()
+        return (headers.get("x-api-key") or "").strip() or None
 
     def check_admin(self, headers: Any) -> None:
         """The gateway's own token, where one is set (opening rollouts)."""
@@ -411,8 +430,10 @@ class Gateway:
                 self._tool_spans(active, body)
             return LLMCall(_Client(upstream), _Options(body), op, active.state)
 
-    async def forward(self, active: OpenRollout, path: str, body: dict[str, Any], agent: str | None) -> Any:
-        """Send one call to an engine and record it; returns (status, JSON) or an async iterator of SSE bytes."""
+    async def forward(self, active: OpenRollout, path: str, body: dict[str, Any], agent: str | None,
+                      render: Any = None) -> Any:
+        """Send one call to an engine and record it; returns (status, JSON) or an async iterator of SSE bytes
+        (the engine's chunks as ``render`` writes them: by default as the engine sent them)."""
         op = _ENDPOINTS[path]
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0))
@@ -420,7 +441,7 @@ class Gateway:
         for upstream in self._pick(active):
             call = self.start_call(active, op, body, agent, upstream)
             try:
-                result = await self._send(call, upstream, path, body)
+                result = await self._send(call, upstream, path, body, render or ChatRenderer())
             except httpx.TransportError as exc:
                 self._down_until[upstream] = time.monotonic() + self.down_for
                 errors.append(f"{upstream}: {type(exc).__name__}: {exc}")
@@ -432,7 +453,7 @@ class Gateway:
         raise GatewayError(502, "no upstream engine could serve this call (tried them all); it is recorded on the "
                                 "rollout as a failed call", errors)
 
-    async def _send(self, call: LLMCall, upstream: str, path: str, body: dict[str, Any]) -> Any:
+    async def _send(self, call: LLMCall, upstream: str, path: str, body: dict[str, Any], render: Any) -> Any:
         url = f"{upstream}/v1/{path}"
         stream = bool(body.get("stream"))
         while True:
@@ -463,28 +484,27 @@ class Gateway:
                 call.record_response(_parsed(call.op, data, chunk=False))
                 return 200, _strip(data, call.injected)
             call.streamed = True
-            return self._relay(call, response, upstream)
+            return self._relay(call, response, upstream, render)
 
-    async def _relay(self, call: LLMCall, response: httpx.Response, upstream: str) -> AsyncIterator[bytes]:
+    async def _relay(self, call: LLMCall, response: httpx.Response, upstream: str, render: Any) -> AsyncIterator[bytes]:
         finished = False
         try:
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    if line:
-                        yield (line + "\n\n").encode()
-                    continue
-                payload = line[5:].strip()
+                payload = line[5:].strip() if line.startswith("data:") else None
+                data = None
+                if payload is not None and payload != "[DONE]":
+                    try:
+                        data = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        pass
                 if payload == "[DONE]":
                     finished = True
-                    yield b"data: [DONE]\n\n"
-                    continue
-                try:
-                    data = orjson.loads(payload)
-                except orjson.JSONDecodeError:
+                    yield render.done()
+                elif data is not None:
+                    call.on_chunk(_parsed(call.op, data, chunk=True))
+                    yield render.chunk(data, call.injected)
+                elif line and render.passthrough:  # comments, events, anything else the engine sent
                     yield (line + "\n\n").encode()
-                    continue
-                call.on_chunk(_parsed(call.op, data, chunk=True))
-                yield b"data: " + orjson.dumps(_strip(data, call.injected)) + b"\n\n"
         finally:
             await response.aclose()
             self._in_flight[upstream] -= 1
@@ -604,6 +624,46 @@ def create_app(gateway: Gateway) -> Any:
     @app.post("/rollouts/{rollout_id}/v1/traces")
     async def rollout_traces(rollout_id: str, request: Request) -> Response:
         return await _traces(request, rollout_id)
+
+    async def _messages(request: Request, rollout_id: str | None, agent: str | None) -> Response:
+        """Anthropic Messages, through chat completions (``anthropic.py``); errors in Anthropic's shape."""
+        try:
+            active = gateway.rollout_for(rollout_id, request.headers)
+            body = await _body(request)
+            model = body.get("model")
+            if not isinstance(model, str):
+                raise GatewayError(400, f"model must be the served model's name (a string), got {model!r}")
+            try:
+                chat = anthropic.to_chat(body)
+            except anthropic.TranslationError as exc:
+                raise GatewayError(400, str(exc)) from None
+            stream = bool(chat.get("stream"))
+            if stream:
+                chat["stream_options"] = {"include_usage": True}  # the output token count for message_delta
+            result = await gateway.forward(active, "chat/completions", chat, agent or request.headers.get(AGENT_HEADER),
+                                           render=anthropic.StreamRenderer(model) if stream else None)
+        except GatewayError as exc:
+            return _json(anthropic.error(exc.status, exc.error), exc.status)
+        if not isinstance(result, tuple):
+            return StreamingResponse(result, media_type="text/event-stream")
+        status, data = result
+        if status != 200:
+            detail = data.get("error", data) if isinstance(data, dict) else data
+            message = detail.get("message") if isinstance(detail, dict) else str(detail)
+            return _json(anthropic.error(status, f"the engine answered {status}: {message}"), status)
+        return _json(anthropic.from_chat(data, model))
+
+    @app.post("/v1/messages", name="messages (rollout by key)")
+    async def messages_by_key(request: Request) -> Response:
+        return await _messages(request, None, None)
+
+    @app.post("/rollouts/{rollout_id}/v1/messages", name="messages (rollout by path)")
+    async def messages_by_path(rollout_id: str, request: Request) -> Response:
+        return await _messages(request, rollout_id, None)
+
+    @app.post("/rollouts/{rollout_id}/agents/{agent}/v1/messages", name="messages (an agent's call)")
+    async def messages_by_agent(rollout_id: str, agent: str, request: Request) -> Response:
+        return await _messages(request, rollout_id, agent)
 
     for path in _ENDPOINTS:
         def routes(path: str = path) -> None:
