@@ -5,6 +5,7 @@ trained by Trainer."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import lightning_rl as lrl
+from lightning_rl import semconv
 from lightning_rl.gateway import CommandFailed
 from lightning_rl.records import RolloutStatus
 from lightning_rl.tracer import tracing
@@ -28,19 +30,56 @@ needs_node = pytest.mark.skipif(
 
 
 @needs_node
-def test_a_node_agent_is_traced_with_the_engines_token_ids_and_its_printed_reward(traced, vllm_url):
-    agent = lrl.command(["node", str(NODE_AGENT)], upstream=vllm_url,
-                        env={"AGENT_MODEL": SERVED_NAME, "AGENT_TEMPERATURE": "0", "AGENT_SEED": "0"})
+def test_a_node_agent_with_a_tool_is_traced_with_the_engines_ids_its_tool_span_and_its_reward(traced, vllm_url):
+    agent = lrl.command(["node", str(NODE_AGENT)], upstream=vllm_url, env={
+        "AGENT_MODEL": SERVED_NAME, "AGENT_TEMPERATURE": "0", "AGENT_SEED": "0", "AGENT_FORCE_TOOL": "1"})
     reward = asyncio.run(agent({"a": 12, "b": 30}))
     (rollout,) = traced.rollouts()
     traj = traced.trajectory(rollout.rollout_id)
     assert traj.status == RolloutStatus.SUCCEEDED and traj.name == "agent.mjs" and traj.task == {"a": 12, "b": 30}
-    (call,) = traj.llm_calls
-    assert call.streamed and call.token_ids_source == "engine" and len(call.response_token_ids) >= 1
-    assert len(call.response_logprobs) == len(call.response_token_ids)
-    answer = call.output_messages[0]["content"]
+    first, second = traj.llm_calls  # two turns, both streamed, both with the engine's ids
+    for call in (first, second):
+        assert call.streamed and call.token_ids_source == "engine" and len(call.response_token_ids) >= 1
+        assert len(call.response_logprobs) == len(call.response_token_ids)
+    (tool_call,) = first.tool_calls
+    assert tool_call.name == "calculator"
+    (tool,) = traj.tool_spans
+    assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == tool_call.id
+    expression = json.loads(tool_call.arguments)["expression"]
+    assert tool.attributes[semconv.TOOL_RESULT] == str(sum(map(int, expression.split("+"))))
+    answer = second.output_messages[0]["content"]
     # whatever the model said, the agent's reward is what it printed, and it judged what was recorded
     assert reward == traj.final_reward == (1.0 if answer.strip() == "42" else 0.0)
+
+
+def test_a_curl_agent_and_a_langchain_agent_that_never_imports_lightning_rl(traced, vllm_url):
+    curl = f"""set -e
+curl -sf "$OPENAI_BASE_URL/chat/completions" -H "Authorization: Bearer $OPENAI_API_KEY" \\
+  -H 'content-type: application/json' \\
+  -d '{{"model": "{SERVED_NAME}", "max_tokens": 4, "temperature": 0, "messages": [{{"role": "user", "content": "Hi"}}]}}'
+echo
+curl -sf "$LIGHTNING_RL_REWARDS_URL" -H "Authorization: Bearer $OPENAI_API_KEY" -d '{{"value": 1.0, "name": "judge"}}'
+echo
+echo 0.5
+"""
+    assert asyncio.run(lrl.command(["bash", "-c", curl], upstream=vllm_url, name="curl-agent")({"q": "hi"})) == 0.5
+    langchain = f"""
+import os, sys
+from langchain_openai import ChatOpenAI
+llm = ChatOpenAI(model={SERVED_NAME!r}, base_url=os.environ["OPENAI_BASE_URL"], temperature=0, max_tokens=4,
+                 max_retries=0)
+llm.invoke("What is 1+1?")
+sys.exit(3 if any(m.split(".")[0] == "lightning_rl" for m in sys.modules) else 0)
+"""
+    asyncio.run(lrl.command([sys.executable, "-c", langchain], upstream=vllm_url, name="langchain-agent")({"q": 1}))
+    by_name = {r.name: r for r in traced.rollouts()}
+    for name in ("curl-agent", "langchain-agent"):
+        traj = traced.trajectory(by_name[name].rollout_id)
+        assert traj.status == RolloutStatus.SUCCEEDED
+        (call,) = traj.llm_calls
+        assert call.token_ids_source == "engine" and call.response_token_ids
+    rewards = {(r.name, r.value) for r in traced.rewards(by_name["curl-agent"].rollout_id)}
+    assert rewards == {("judge", 1.0), ("reward", 0.5)}
 
 
 def test_a_python_command_sends_its_reward_to_the_endpoint_and_a_failing_one_fails_its_rollout(traced, vllm_url):
@@ -83,6 +122,8 @@ def test_trainer_trains_a_node_agent(traced, vllm_url, tmp_path):
     """Trainer with an agent that is a command: the Node agent's calls to the served LoRA become
     samples, one update runs and its weights are published."""
     pytest.importorskip("peft")
+    # the tool is not forced: a named tool choice samples under a grammar mask whose log-probs the
+    # trainer does not compute (gap ~0.02, measured); the model calls the tool or not, as it likes
     agent = lrl.command(["node", str(NODE_AGENT)], upstream=vllm_url, env={"AGENT_MODEL": "policy"})
     tasks = [{"a": 20 + i, "b": 30 + i} for i in range(4)]
     trainer = Trainer(agent=agent, tasks=tasks, store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
@@ -92,6 +133,7 @@ def test_trainer_trains_a_node_agent(traced, vllm_url, tmp_path):
     finally:
         tracing._policy_versions.pop("policy", None)
     (line,) = [x for x in result.history if "train_reward" in x]
-    assert line["outcomes"] == {"succeeded": 4} and line["samples"] == 4 and line["policy_version"] == 1
+    calls = sum(len(t.llm_calls) for t in traced.trajectories(mode="train"))
+    assert line["outcomes"] == {"succeeded": 4} and line["samples"] == calls >= 4 and line["policy_version"] == 1
     assert line["calls_without_engine_ids"] == 0 and line["engine_logprob_gap"] < 1e-3
     assert [p.version for p in traced.policies("policy")] == [0, 1]

@@ -197,3 +197,19 @@ def test_calls_are_stamped_with_the_published_version(traced, gateway):
     client.chat.completions.create(model=SERVED_NAME, messages=QUESTION, **GREEDY)
     _finish(gateway, opened)
     assert [c.policy_version for c in traced.trajectory(opened["rollout_id"]).llm_calls] == [4]
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_a_recorded_truncated_call(traced, gateway):
+    opened = _open(gateway)
+    body = {"model": SERVED_NAME, "messages": QUESTION, "stream": True, "max_tokens": 200, "temperature": 1.0,
+            "seed": 0, "ignore_eos": True}  # long enough to be cut
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", opened["base_url"] + "/chat/completions", json=body) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("data:"))
+            assert "token_ids" not in first  # asked for by the gateway, not shown to the client
+    # the client is gone; the gateway notices, or the finish closes the call: recorded either way
+    _finish(gateway, opened)
+    traced.flush()
+    (call,) = traced.trajectory(opened["rollout_id"]).llm_calls
+    assert call.streamed and call.incomplete and call.token_ids_source == "engine"
+    assert 1 <= len(call.response_token_ids) < 200 and len(call.response_logprobs) == len(call.response_token_ids)
