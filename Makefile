@@ -101,6 +101,7 @@ bench: all venv-peer
 	$(PY) bench/bench_capture_cost.py
 	$(PY) bench/bench_policy_memory.py
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
+	$(PY) bench/bench_gateway.py --json-out .cache/bench-gateway.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache
