@@ -20,6 +20,7 @@ Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "cod
   call: ``.../rollouts/{id}/agents/{agent}/v1/...`` or the ``X-Lightning-RL-Agent`` header.
 * ``POST .../v1/messages``: Anthropic Messages, sent to the engine as chat completions and answered
   in the Messages format, streamed or not (``anthropic.py``); the key also as ``x-api-key``.
+* ``POST .../v1/responses``: the OpenAI Responses API, the same way (``responses.py``).
 * ``POST /v1/traces`` (and under a rollout's path): OTLP/HTTP spans from the agent's own
   OpenTelemetry SDK, added to the rollout they name (``otlp.py``).
 * Tool spans come from the conversation itself: a ``tool`` message answering one of the assistant's
@@ -70,7 +71,7 @@ from ..settings import MODES
 from ..tracer.context import RolloutState, current_rollout, rollout_scope
 from ..tracer.decorator import trace
 from ..tracer.provider import current_our_span, current_span_of_ours, record_tool_span, tracing
-from . import anthropic, otlp
+from . import anthropic, otlp, responses
 
 try:
     from fastapi import FastAPI, Request
@@ -656,45 +657,60 @@ def create_app(gateway: Gateway) -> Any:
     async def rollout_traces(rollout_id: str, request: Request) -> Response:
         return await _traces(request, rollout_id)
 
-    async def _messages(request: Request, rollout_id: str | None, agent: str | None) -> Response:
-        """Anthropic Messages, through chat completions (``anthropic.py``); errors in Anthropic's shape."""
+    def _openai_error(status: int, message: str) -> dict[str, Any]:
+        return {"error": {"message": message, "type": "lightning_rl_gateway", "code": status, "details": []}}
+
+    # The dialects answered through chat completions: (to chat, stream renderer, from chat, error shape).
+    dialects = {
+        "messages": (anthropic.to_chat, lambda body: anthropic.StreamRenderer(body["model"]),
+                     lambda data, body: anthropic.from_chat(data, body["model"]), anthropic.error),
+        "responses": (responses.to_chat, responses.StreamRenderer, responses.from_chat, _openai_error),
+    }
+
+    async def _translated(request: Request, rollout_id: str | None, agent: str | None, dialect: str) -> Response:
+        """Anthropic Messages or OpenAI Responses, through chat completions; errors in the dialect's shape."""
+        to_chat, renderer, from_chat, error = dialects[dialect]
         try:
             active = gateway.rollout_for(rollout_id, request.headers)
             body = await _body(request)
-            model = body.get("model")
-            if not isinstance(model, str):
-                raise GatewayError(400, f"model must be the served model's name (a string), got {model!r}")
+            if not isinstance(body.get("model"), str):
+                raise GatewayError(400, f"model must be the served model's name (a string), got {body.get('model')!r}")
             try:
-                chat = anthropic.to_chat(body)
+                chat = to_chat(body)
             except anthropic.TranslationError as exc:
                 raise GatewayError(400, str(exc)) from None
+            chat["model"] = body["model"]
             stream = bool(chat.get("stream"))
             if stream:
-                chat["stream_options"] = {"include_usage": True}  # the output token count for message_delta
+                chat["stream_options"] = {"include_usage": True}  # the usage the final events carry
             result = await gateway.forward(active, "chat/completions", chat, agent or request.headers.get(AGENT_HEADER),
-                                           render=anthropic.StreamRenderer(model) if stream else None)
+                                           render=renderer(body) if stream else None)
         except GatewayError as exc:
-            return _json(anthropic.error(exc.status, exc.error), exc.status)
+            return _json(error(exc.status, exc.error), exc.status)
         if not isinstance(result, tuple):
             return StreamingResponse(result, media_type="text/event-stream")
         status, data = result
         if status != 200:
             detail = data.get("error", data) if isinstance(data, dict) else data
             message = detail.get("message") if isinstance(detail, dict) else str(detail)
-            return _json(anthropic.error(status, f"the engine answered {status}: {message}"), status)
-        return _json(anthropic.from_chat(data, model))
+            return _json(error(status, f"the engine answered {status}: {message}"), status)
+        return _json(from_chat(data, body))
 
-    @app.post("/v1/messages", name="messages (rollout by key)")
-    async def messages_by_key(request: Request) -> Response:
-        return await _messages(request, None, None)
+    for dialect in dialects:
+        def translated_routes(dialect: str = dialect) -> None:
+            @app.post(f"/v1/{dialect}", name=f"{dialect} (rollout by key)")
+            async def by_key(request: Request) -> Response:
+                return await _translated(request, None, None, dialect)
 
-    @app.post("/rollouts/{rollout_id}/v1/messages", name="messages (rollout by path)")
-    async def messages_by_path(rollout_id: str, request: Request) -> Response:
-        return await _messages(request, rollout_id, None)
+            @app.post(f"/rollouts/{{rollout_id}}/v1/{dialect}", name=f"{dialect} (rollout by path)")
+            async def by_path(rollout_id: str, request: Request) -> Response:
+                return await _translated(request, rollout_id, None, dialect)
 
-    @app.post("/rollouts/{rollout_id}/agents/{agent}/v1/messages", name="messages (an agent's call)")
-    async def messages_by_agent(rollout_id: str, agent: str, request: Request) -> Response:
-        return await _messages(request, rollout_id, agent)
+            @app.post(f"/rollouts/{{rollout_id}}/agents/{{agent}}/v1/{dialect}", name=f"{dialect} (an agent's call)")
+            async def by_agent(rollout_id: str, agent: str, request: Request) -> Response:
+                return await _translated(request, rollout_id, agent, dialect)
+
+        translated_routes()
 
     for path in _ENDPOINTS:
         def routes(path: str = path) -> None:
