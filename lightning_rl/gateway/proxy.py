@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import hmac
 import math
 import os
@@ -623,7 +624,7 @@ def create_app(gateway: Gateway) -> Any:
         body = await _body(request)
         return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
 
-    async def _call(request: Request, rollout_id: str | None, path: str, agent: str | None) -> Response:
+    async def _call(request: Request, rollout_id: str | None, agent: str | None, *, path: str) -> Response:
         active = gateway.rollout_for(rollout_id, request.headers)
         body = await _body(request)
         if not isinstance(body.get("model"), str):
@@ -667,7 +668,7 @@ def create_app(gateway: Gateway) -> Any:
         "responses": (responses.to_chat, responses.StreamRenderer, responses.from_chat, _openai_error),
     }
 
-    async def _translated(request: Request, rollout_id: str | None, agent: str | None, dialect: str) -> Response:
+    async def _translated(request: Request, rollout_id: str | None, agent: str | None, *, dialect: str) -> Response:
         """Anthropic Messages or OpenAI Responses, through chat completions; errors in the dialect's shape."""
         to_chat, renderer, from_chat, error = dialects[dialect]
         try:
@@ -696,37 +697,25 @@ def create_app(gateway: Gateway) -> Any:
             return _json(error(status, f"the engine answered {status}: {message}"), status)
         return _json(from_chat(data, body))
 
+    def rollout_routes(path: str, handle: Callable[..., Any]) -> None:
+        """``path`` under ``/v1`` (rollout by key), a rollout's base URL, and an agent's:
+        ``handle(request, rollout_id, agent)``."""
+        @app.post(f"/v1/{path}", name=f"{path} (rollout by key)")
+        async def by_key(request: Request) -> Response:
+            return await handle(request, None, None)
+
+        @app.post(f"/rollouts/{{rollout_id}}/v1/{path}", name=f"{path} (rollout by path)")
+        async def by_path(rollout_id: str, request: Request) -> Response:
+            return await handle(request, rollout_id, None)
+
+        @app.post(f"/rollouts/{{rollout_id}}/agents/{{agent}}/v1/{path}", name=f"{path} (an agent's call)")
+        async def by_agent(rollout_id: str, agent: str, request: Request) -> Response:
+            return await handle(request, rollout_id, agent)
+
     for dialect in dialects:
-        def translated_routes(dialect: str = dialect) -> None:
-            @app.post(f"/v1/{dialect}", name=f"{dialect} (rollout by key)")
-            async def by_key(request: Request) -> Response:
-                return await _translated(request, None, None, dialect)
-
-            @app.post(f"/rollouts/{{rollout_id}}/v1/{dialect}", name=f"{dialect} (rollout by path)")
-            async def by_path(rollout_id: str, request: Request) -> Response:
-                return await _translated(request, rollout_id, None, dialect)
-
-            @app.post(f"/rollouts/{{rollout_id}}/agents/{{agent}}/v1/{dialect}", name=f"{dialect} (an agent's call)")
-            async def by_agent(rollout_id: str, agent: str, request: Request) -> Response:
-                return await _translated(request, rollout_id, agent, dialect)
-
-        translated_routes()
-
+        rollout_routes(dialect, functools.partial(_translated, dialect=dialect))
     for path in _ENDPOINTS:
-        def routes(path: str = path) -> None:
-            @app.post(f"/v1/{path}", name=f"{path} (rollout by key)")
-            async def by_key(request: Request) -> Response:
-                return await _call(request, None, path, None)
-
-            @app.post(f"/rollouts/{{rollout_id}}/v1/{path}", name=f"{path} (rollout by path)")
-            async def by_path(rollout_id: str, request: Request) -> Response:
-                return await _call(request, rollout_id, path, None)
-
-            @app.post(f"/rollouts/{{rollout_id}}/agents/{{agent}}/v1/{path}", name=f"{path} (an agent's call)")
-            async def by_agent(rollout_id: str, agent: str, request: Request) -> Response:
-                return await _call(request, rollout_id, path, agent)
-
-        routes()
+        rollout_routes(path, functools.partial(_call, path=path))
 
     return app
 
