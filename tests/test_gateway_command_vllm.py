@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.vllm]
 NODE_AGENT = Path(__file__).resolve().parent.parent / "examples" / "gateway_node" / "agent.mjs"
 needs_node = pytest.mark.skipif(
     shutil.which("node") is None or not (NODE_AGENT.parent / "node_modules" / "openai").is_dir(),
-    reason="Node.js and the openai npm package (make node-deps)")
+    reason="Node.js and the npm packages of examples/gateway_node (make node-deps)")
 
 
 @needs_node
@@ -50,6 +50,25 @@ def test_a_node_agent_with_a_tool_is_traced_with_the_engines_ids_its_tool_span_a
     answer = second.output_messages[0]["content"]
     # whatever the model said, the agent's reward is what it printed, and it judged what was recorded
     assert reward == traj.final_reward == (1.0 if answer.strip() == "42" else 0.0)
+
+
+@needs_node
+def test_a_node_agent_sends_its_own_spans_over_otlp(traced, vllm_url):
+    """The OpenTelemetry JS SDK's OTLP exporter (protobuf), configured only by the environment that
+    lrl.command sets, adds the agent's own spans to its rollout, beside the call the gateway recorded."""
+    agent = lrl.command(["node", str(NODE_AGENT.parent / "otlp_agent.mjs")], upstream=vllm_url,
+                        env={"AGENT_MODEL": SERVED_NAME})
+    assert asyncio.run(agent({"a": 12, "b": 30})) == 1.0
+    (rollout,) = traced.rollouts()
+    traced.flush()
+    traj = traced.trajectory(rollout.rollout_id)
+    (tool,) = traj.tool_spans
+    assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == "node-call-1" and tool.attributes[semconv.TOOL_RESULT] == "42"
+    spans = {s.name: s for s in traced.spans(rollout.rollout_id)}
+    assert tool.parent_id == spans["plan"].span_id and spans["plan"].attributes["task.a"] == 12
+    assert spans["plan"].attributes["service.name"]  # the SDK's resource, kept
+    (call,) = traj.llm_calls
+    assert call.token_ids_source == "engine"
 
 
 def test_a_curl_agent_and_a_langchain_agent_that_never_imports_lightning_rl(traced, vllm_url):
