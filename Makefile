@@ -9,7 +9,7 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer node-deps model test test-fast test-other-seed soak demo demo-team demo-continuous demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer node-deps model test test-fast test-other-seed soak demo demo-team demo-continuous demo-gateway demo-spine bench clean
 
 all: venv venv-vllm model node-deps
 
@@ -82,6 +82,10 @@ demo: all
 # The team demo: a planner and a solver, a LoRA policy each, one shared reward (DEMO_ARGS=--shared: one policy).
 demo-team: all
 	$(PY) examples/team_rl/train.py --model-dir $(MODEL_DIR) $(DEMO_ARGS)
+
+# The calculator demo with its agent in Node.js (the openai npm package), trained through the gateway.
+demo-gateway: all
+	$(PY) examples/gateway_node/train.py --model-dir $(MODEL_DIR) $(DEMO_ARGS)
 
 # Continuous training from simulated production traffic (rewards from user feedback, some late, some never).
 demo-continuous: all
