@@ -74,3 +74,24 @@ def test_continuous_demo_trains_through_the_cli(tmp_path):
     assert [u["version"] for u in updates] == list(range(1, len(updates) + 1))
     assert all(u["skipped_other_sampling"] == 0 and u["calls_without_engine_ids"] == 0 for u in updates)
     assert "serving policy version 0" in (out / "trainer.log").read_text()  # the CLI trained it
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_gateway_demo_trains_the_node_agent(tmp_path):
+    """examples/gateway_node/train.py, shortened: the Node.js calculator agent trained through the gateway."""
+    from .conftest import ensure_tiny_model
+
+    if not (EXAMPLES / "gateway_node" / "node_modules" / "openai").is_dir():
+        pytest.skip("the npm packages of examples/gateway_node (make node-deps)")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "gateway_node" / "train.py"), "--model-dir", str(ensure_tiny_model()),
+         "--steps", "1", "--n", "2", "--tasks-per-step", "2", "--eval-tasks", "2", "--out", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"success_before", "success_after", "gain", "minutes", "peak_rss_mb"} <= set(summary)
+    assert summary["calls"] == 4 and summary["calls_with_engine_ids"] == 4  # 2 tasks x 2 tries, one call each
+    lines = [json.loads(x) for x in open(summary["metrics"]).read().splitlines()]
+    assert [x["policy_version"] for x in lines if "train_reward" in x] == [1]
