@@ -105,26 +105,42 @@ def peak_rss_mb() -> float:
     return round(max(own, children) / 1024, 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="calculator agent RL demo (CPU)")
+def add_training_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """The calculator demos' training settings (this demo's and the gateway demo's)."""
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--n", type=int, default=8, help="tries per task (GRPO group size)")
     parser.add_argument("--tasks-per-step", type=int, default=8)
     parser.add_argument("--eval-tasks", type=int, default=40)
     parser.add_argument("--lr", type=float, default=1e-3)
+    add_run_arguments(parser, out)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """Seed, model and output folder (``.cache/<out>``), as every demo takes them."""
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
-    parser.add_argument("--out", default=str(ROOT / ".cache" / "demo-rl"))
+    parser.add_argument("--out", default=str(ROOT / ".cache" / out))
+
+
+def fresh_run(out: str | Path, model_dir: str | Path) -> Path:
+    """An empty output folder, and the demo model built (``make model``) if it is not there yet."""
+    out = Path(out)
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    out.mkdir(parents=True)
+    if not (Path(model_dir) / "config.json").exists():
+        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="calculator agent RL demo (CPU)")
+    add_training_arguments(parser, "demo-rl")
     parser.add_argument("--server-url", default=None,
                         help="A running vLLM server with --enable-lora serving --model-dir (default: start one).")
     args = parser.parse_args()
     started = time.time()
-    out = Path(args.out)
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.mkdir(parents=True)
-    if not (Path(args.model_dir) / "config.json").exists():
-        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
+    out = fresh_run(args.out, args.model_dir)
 
     held_out = make_tasks(args.eval_tasks, seed=10_000 + args.seed)
     train_tasks = make_tasks(400, seed=args.seed, exclude={(t["a"], t["b"]) for t in held_out})

@@ -45,7 +45,7 @@ import lightning_rl as lrl
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
 sys.path.insert(0, str(ROOT / "examples"))
-from train import answer, make_tasks  # noqa: E402  (the main demo's agent and questions)
+from train import add_run_arguments, answer, fresh_run, make_tasks  # noqa: E402  (the main demo's agent, questions, run folder)
 
 from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 
@@ -226,17 +226,10 @@ def main() -> None:
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer (OMP_NUM_THREADS): it shares the cores with vLLM")
     parser.add_argument("--window", type=float, default=30.0, help="seconds per success window")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
-    parser.add_argument("--out", default=str(ROOT / ".cache" / "demo-continuous"))
+    add_run_arguments(parser, "demo-continuous")
     args = parser.parse_args()
     started = time.time()
-    out = Path(args.out)
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.mkdir(parents=True)
-    if not (Path(args.model_dir) / "config.json").exists():
-        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
+    out = fresh_run(args.out, args.model_dir)
     check_cli(args)
     rng = random.Random(args.seed)
     store_url = f"sqlite:///{out / 'runs.db'}"

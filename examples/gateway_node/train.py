@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from lightning_rl.vllm_server import VLLMServer
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from calculator_rl.train import make_tasks, peak_rss_mb  # noqa: E402
+from calculator_rl.train import add_training_arguments, fresh_run, make_tasks, peak_rss_mb  # noqa: E402
 
 
 def node_agent(server_url: str, temperature: float):
@@ -40,23 +39,12 @@ def node_agent(server_url: str, temperature: float):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="the calculator demo with a Node.js agent, through the gateway")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--n", type=int, default=8, help="tries per task (GRPO group size)")
-    parser.add_argument("--tasks-per-step", type=int, default=8)
-    parser.add_argument("--eval-tasks", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-dir", default=str(ROOT / ".cache" / "tiny-qwen2"))
-    parser.add_argument("--out", default=str(ROOT / ".cache" / "demo-gateway"))
+    add_training_arguments(parser, "demo-gateway")
     args = parser.parse_args()
     if shutil.which("node") is None or not (HERE / "node_modules" / "openai").is_dir():
         sys.exit("this demo needs Node.js and the openai npm package: run `make node-deps`")
     started = time.time()
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    if not (Path(args.model_dir) / "config.json").exists():
-        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
+    out = fresh_run(args.out, args.model_dir)
     held_out = make_tasks(args.eval_tasks, seed=10_000 + args.seed)
     train_tasks = make_tasks(400, seed=args.seed, exclude={(t["a"], t["b"]) for t in held_out})
     with contextlib.ExitStack() as stack:
