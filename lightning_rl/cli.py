@@ -355,10 +355,13 @@ def store_openapi() -> None:
 @click.option("--port", type=int, default=8400, show_default=True)
 @click.option("--token", envvar="LIGHTNING_RL_GATEWAY_TOKEN", default=None,
               help="Bearer token for opening rollouts and late rewards (default: $LIGHTNING_RL_GATEWAY_TOKEN).")
+@click.option("--idle-timeout", type=float, default=3600.0, show_default=True,
+              help="End a rollout as timed out when no call, reward or finish reached it for this many seconds "
+                   "(0: never).")
 @click.option("--log-level", default="warning", show_default=True)
 @_errors
 def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int, token: str | None,
-            log_level: str) -> None:
+            idle_timeout: float, log_level: str) -> None:
     """Trace agents in any language: an OpenAI-compatible proxy that records rollouts into the store.
 
     Open a rollout with POST /v1/rollouts; point the agent's OpenAI client at the base_url (or use the
@@ -370,7 +373,7 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
     from .gateway import Gateway, check_bind, serve
 
     check_bind(host, token)
-    proxy = Gateway(list(upstreams), token=token)  # bad upstreams are refused before the store is opened
+    proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
     _api.configure(store=_open(store))
     click.echo(f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True)
     serve(proxy, host=host, port=port, log_level=log_level)

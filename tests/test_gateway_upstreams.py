@@ -70,3 +70,34 @@ def test_a_rollout_sticks_to_its_engine_and_a_new_one_goes_to_the_least_busy(tra
     assert hits["b"] == ["hi", "again 0", "again 1", "again 2"]
     calls = traced.trajectory(first["rollout_id"]).llm_calls
     assert len(calls) == 5 and all(c.token_ids_source == "engine" for c in calls)
+
+
+def test_a_rollout_nothing_reaches_for_the_idle_timeout_ends_timed_out_and_a_stop_ends_the_rest(traced):
+    hits: list[str] = []
+    engine = ServerThread(fake_engine("a", hits), name="fake-a")
+    engine.start("a fake engine")
+    try:
+        with BackgroundGateway([engine.url], idle_timeout=0.4) as gw:
+            def call(opened: dict) -> int:
+                return httpx.post(opened["base_url"] + "/chat/completions", timeout=10,
+                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code
+
+            quiet = httpx.post(f"{gw.url}/v1/rollouts", json={"task": 1}).json()
+            busy = httpx.post(f"{gw.url}/v1/rollouts", json={"task": 2}).json()
+            assert call(quiet) == 200
+            deadline = time.monotonic() + 10
+            while traced.get_rollout(quiet["rollout_id"]).status == "running":  # the sweep runs every 0.1 s
+                assert time.monotonic() < deadline, "the idle rollout was never ended"
+                assert call(busy) == 200  # calls keep the other one open
+                time.sleep(0.05)
+            ended = traced.get_rollout(quiet["rollout_id"])
+            assert ended.status == "timed_out" and "idle timeout" in ended.error
+            assert call(quiet) == 409  # its path answers that it has finished
+            assert len(traced.trajectory(quiet["rollout_id"]).llm_calls) == 1  # what it did stays recorded
+            assert traced.get_rollout(busy["rollout_id"]).status == "running"
+        # the gateway stopped: the rollout it still had open is ended, not left running for ever
+        stopped = traced.get_rollout(busy["rollout_id"])
+        assert stopped.status == "failed" and "gateway stopped" in stopped.error
+        assert len(traced.trajectory(busy["rollout_id"]).llm_calls) >= 2
+    finally:
+        engine.stop()

@@ -47,7 +47,18 @@ _NUMERIC_REQUEST_ATTRIBUTES = (
     ("seed", semconv.GEN_AI_REQUEST_SEED), ("max_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
     ("max_completion_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
 )
-_LOGPROB = operator.attrgetter("logprob")
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    return getattr(obj, name, None)
+
+
+def _model_extra(obj: Any) -> dict[str, Any]:
+    return getattr(obj, "model_extra", None) or {}
+
+
+def _itself(obj: Any) -> Any:
+    return obj
 _NO_INJECT_HOSTS = frozenset({"api.openai.com"})
 # "host:port" -> True (answered with token ids) / False (refused the fields); absent: not known yet
 _takes_token_fields: dict[str, bool] = {}
@@ -99,9 +110,21 @@ class _Choice:
 
 
 class LLMCall:
-    """One in-flight LLM request inside a rollout, and its span."""
+    """One in-flight LLM request inside a rollout, and its span.
 
-    def __init__(self, client: Any, options: Any, op: str, state: RolloutState) -> None:
+    Responses and stream chunks are read as the openai client's objects, or with ``json=True`` as the
+    engine's JSON itself (plain dicts: the gateway, which never builds the client's models). One reader
+    for both: only how a field is fetched differs (an attribute, or a key; vLLM's extra fields are
+    ``model_extra`` there and plain keys here)."""
+
+    # how a field of a response is fetched (openai's objects)
+    _get = staticmethod(_attribute)
+    _extra = staticmethod(_model_extra)
+    _logprob = staticmethod(operator.attrgetter("logprob"))
+
+    def __init__(self, client: Any, options: Any, op: str, state: RolloutState, *, json: bool = False) -> None:
+        if json:  # the engine's JSON, as dicts
+            self._get, self._extra, self._logprob = dict.get, _itself, operator.itemgetter("logprob")
         body = options.json_data if isinstance(options.json_data, dict) else {}
         extra = dict(options.extra_json) if options.extra_json else {}
         if state.sampling:  # the trainer's sampling settings win over the agent's (verl)
@@ -193,59 +216,60 @@ class LLMCall:
         self.finish(error=error)
 
     def read_response(self, resp: Any) -> None:
+        get, extra = self._get, self._extra
         try:
-            extra_top = getattr(resp, "model_extra", None) or {}
-            self.prompt_ids = extra_top.get("prompt_token_ids")
-            for choice in getattr(resp, "choices", None) or []:
-                c = self.choices.setdefault(getattr(choice, "index", 0) or 0, _Choice())
-                cextra = getattr(choice, "model_extra", None) or {}
+            self.prompt_ids = extra(resp).get("prompt_token_ids")
+            for choice in get(resp, "choices") or ():
+                c = self.choices.setdefault(get(choice, "index") or 0, _Choice())
+                cextra = extra(choice)
                 if self.prompt_ids is None and cextra.get("prompt_token_ids") is not None:
                     self.prompt_ids = cextra["prompt_token_ids"]  # /completions puts them in the choice
                 ids = cextra.get("token_ids")
                 if ids is not None:
                     c.token_ids, c.has_ids = list(ids), True
-                c.finish_reason = getattr(choice, "finish_reason", None)
-                message = getattr(choice, "message", None)
-                lp = getattr(choice, "logprobs", None)
+                c.finish_reason = get(choice, "finish_reason")
+                message = get(choice, "message")
+                lp = get(choice, "logprobs")
                 if message is not None:
-                    c.content = [message.content or ""]
-                    for i, tc in enumerate(message.tool_calls or []):
-                        fn = getattr(tc, "function", None)
+                    c.content = [get(message, "content") or ""]
+                    for i, tc in enumerate(get(message, "tool_calls") or ()):
+                        fn = get(tc, "function")
                         c.tool_calls[i] = {
-                            "id": tc.id, "type": "function",
-                            "function": {"name": getattr(fn, "name", ""), "arguments": getattr(fn, "arguments", "")},
+                            "id": get(tc, "id"), "type": "function",
+                            "function": {"name": (get(fn, "name") if fn is not None else None) or "",
+                                         "arguments": (get(fn, "arguments") if fn is not None else None) or ""},
                         }
-                    if lp is not None and lp.content:
-                        c.logprobs = list(map(_LOGPROB, lp.content))
+                    if lp is not None and (content := get(lp, "content")):
+                        c.logprobs = list(map(self._logprob, content))
                 else:
-                    c.content = [getattr(choice, "text", "") or ""]
-                    if lp is not None and getattr(lp, "token_logprobs", None):
-                        c.logprobs = [x if x is not None else 0.0 for x in lp.token_logprobs]
+                    c.content = [get(choice, "text") or ""]
+                    if lp is not None and (values := get(lp, "token_logprobs")):
+                        c.logprobs = [x if x is not None else 0.0 for x in values]
             self._meta_from(resp)
-            usage = getattr(resp, "usage", None)
+            usage = get(resp, "usage")
             if usage is not None:
                 self.response_meta["usage"] = usage
         except Exception as exc:
             report_failure("reading an LLM response", exc)
 
     def _meta_from(self, obj: Any) -> None:
-        if "id" not in self.response_meta and getattr(obj, "id", None):
-            self.response_meta["id"] = obj.id
-            self.response_meta["model"] = getattr(obj, "model", None)
+        if "id" not in self.response_meta and (response_id := self._get(obj, "id")):
+            self.response_meta["id"] = response_id
+            self.response_meta["model"] = self._get(obj, "model")
 
     # -- streams -----------------------------------------------------------------------------------
     def on_chunk(self, chunk: Any) -> None:
+        get, extra = self._get, self._extra
         try:
             self._meta_from(chunk)
-            extra = getattr(chunk, "model_extra", None) or {}
-            if self.prompt_ids is None and extra.get("prompt_token_ids") is not None:
-                self.prompt_ids = extra["prompt_token_ids"]
-            usage = getattr(chunk, "usage", None)
+            if self.prompt_ids is None:
+                self.prompt_ids = extra(chunk).get("prompt_token_ids")
+            usage = get(chunk, "usage")
             if usage is not None:
                 self.response_meta["usage"] = usage
-            for choice in getattr(chunk, "choices", None) or []:
-                c = self.choices.setdefault(getattr(choice, "index", 0) or 0, _Choice())
-                cextra = getattr(choice, "model_extra", None) or {}
+            for choice in get(chunk, "choices") or ():
+                c = self.choices.setdefault(get(choice, "index") or 0, _Choice())
+                cextra = extra(choice)
                 if self.prompt_ids is None and cextra.get("prompt_token_ids") is not None:
                     self.prompt_ids = cextra["prompt_token_ids"]
                 ids = cextra.get("token_ids")
@@ -254,31 +278,30 @@ class LLMCall:
                     c.has_ids = True
                 elif ids is not None:
                     c.has_ids = True
-                if getattr(choice, "finish_reason", None):
-                    c.finish_reason = choice.finish_reason
-                delta = getattr(choice, "delta", None)
-                lp = getattr(choice, "logprobs", None)
+                if finish_reason := get(choice, "finish_reason"):
+                    c.finish_reason = finish_reason
+                delta = get(choice, "delta")
+                lp = get(choice, "logprobs")
                 if delta is not None:
-                    if delta.content:
-                        c.content.append(delta.content)
-                    for tc in delta.tool_calls or []:
+                    if content := get(delta, "content"):
+                        c.content.append(content)
+                    for tc in get(delta, "tool_calls") or ():
                         slot = c.tool_calls.setdefault(
-                            tc.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                            get(tc, "index"), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
                         )
-                        if tc.id:
-                            slot["id"] = tc.id
-                        fn = tc.function
+                        if call_id := get(tc, "id"):
+                            slot["id"] = call_id
+                        fn = get(tc, "function")
                         if fn is not None:
-                            slot["function"]["name"] += fn.name or ""
-                            slot["function"]["arguments"] += fn.arguments or ""
-                    if lp is not None and lp.content:
-                        c.logprobs.extend(map(_LOGPROB, lp.content))
+                            slot["function"]["name"] += get(fn, "name") or ""
+                            slot["function"]["arguments"] += get(fn, "arguments") or ""
+                    if lp is not None and (content := get(lp, "content")):
+                        c.logprobs.extend(map(self._logprob, content))
                 else:
-                    text = getattr(choice, "text", None)
-                    if text:
+                    if text := get(choice, "text"):
                         c.content.append(text)
-                    if lp is not None and getattr(lp, "token_logprobs", None):
-                        c.logprobs.extend(x if x is not None else 0.0 for x in lp.token_logprobs)
+                    if lp is not None and (values := get(lp, "token_logprobs")):
+                        c.logprobs.extend(x if x is not None else 0.0 for x in values)
         except Exception as exc:
             report_failure("reading a streamed LLM chunk", exc)
 
@@ -326,8 +349,8 @@ class LLMCall:
                 common[semconv.GEN_AI_RESPONSE_MODEL] = meta["model"]
             usage = meta.get("usage")
             if usage is not None:
-                common[semconv.GEN_AI_USAGE_INPUT_TOKENS] = usage.prompt_tokens or 0
-                common[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = usage.completion_tokens or 0
+                common[semconv.GEN_AI_USAGE_INPUT_TOKENS] = self._get(usage, "prompt_tokens") or 0
+                common[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = self._get(usage, "completion_tokens") or 0
             if incomplete:
                 common[semconv.INCOMPLETE] = True
             if self.streamed:

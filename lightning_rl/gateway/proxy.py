@@ -1,6 +1,6 @@
 """The gateway: trace agents in any language or process (``lightning-rl gateway``).
 
-An HTTP server (FastAPI + uvicorn; httpx to the engines) in front of one or more OpenAI-compatible
+An HTTP server (uvicorn; FastAPI for its admin routes; a lean keep-alive client to the engines, ``upstream.py``) in front of one or more OpenAI-compatible
 engines (vLLM). An agent that cannot import lightning_rl (a Node or Go service, a CLI, a container)
 opens a rollout over HTTP and points its OpenAI client at the rollout: every call it makes is
 forwarded to an engine and recorded as ``@trace`` records a Python agent's calls, through the same
@@ -47,10 +47,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import functools
 import hmac
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -73,10 +73,12 @@ from ..tracer.context import RolloutState, current_rollout, rollout_scope
 from ..tracer.decorator import trace
 from ..tracer.provider import current_our_span, current_span_of_ours, record_tool_span, tracing
 from . import anthropic, otlp, responses
+from .upstream import Response as UpstreamResponse
+from .upstream import Upstream, UpstreamError
 
 try:
     from fastapi import FastAPI, Request
-    from fastapi.responses import Response, StreamingResponse
+    from fastapi.responses import Response
 except ImportError as exc:  # the gateway is an extra, like the store server
     raise ConfigurationError(
         f"the gateway needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
@@ -106,6 +108,7 @@ class OpenRollout:
     key: str
     upstream: str | None = None
     tool_calls_seen: set[str] = field(default_factory=set)
+    last_seen: float = field(default_factory=time.monotonic)  # the last call, reward or span sent to it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -159,7 +162,7 @@ class Gateway:
     """The gateway's state: open rollouts, upstreams, and the forwarding (module doc)."""
 
     def __init__(self, upstreams: list[str], *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
-                 down_for: float = 10.0, timeout: float = 600.0) -> None:
+                 down_for: float = 10.0, timeout: float = 600.0, idle_timeout: float | None = 3600.0) -> None:
         if not upstreams:
             raise ConfigurationError("the gateway needs at least one --upstream URL (an OpenAI-compatible engine, "
                                      "e.g. http://127.0.0.1:8000)")
@@ -169,8 +172,11 @@ class Gateway:
                 raise ConfigurationError(f"--upstream must be an http(s):// URL of an OpenAI-compatible server, "
                                          f"got {url!r}")
             cleaned.append(url.rstrip("/").removesuffix("/v1"))
+        if idle_timeout is not None and not (isinstance(idle_timeout, (int, float)) and idle_timeout > 0):
+            raise ConfigurationError(f"idle_timeout must be a number of seconds > 0 (or None: never), got {idle_timeout!r}")
         self.upstreams = cleaned
         self.token = token
+        self.idle_timeout = idle_timeout
         self.max_body_bytes = max_body_bytes
         self.down_for = down_for
         self.timeout = timeout
@@ -178,7 +184,8 @@ class Gateway:
         self._by_key: dict[str, str] = {}
         self._in_flight = dict.fromkeys(cleaned, 0)
         self._down_until = dict.fromkeys(cleaned, 0.0)
-        self._http: httpx.AsyncClient | None = None
+        self._pools: dict[str, Upstream] = {}
+        self._clients = {u: _Client(u) for u in cleaned}
 
     @property
     def store(self) -> Any:
@@ -223,6 +230,7 @@ class Gateway:
             if self._finished(rollout_id):
                 raise GatewayError(409, f"rollout {rollout_id!r} has finished; open a new one for more calls")
             raise GatewayError(404, f"unknown rollout {rollout_id!r}; open one with POST /v1/rollouts")
+        active.last_seen = time.monotonic()
         return active
 
     def _finished(self, rollout_id: str) -> bool:
@@ -316,9 +324,16 @@ class Gateway:
                 reward = check_reward(reward, what="the rollout's reward")
             except InvalidRewardError as exc:
                 raise GatewayError(422, str(exc)) from None
+        if not self._end(active, status, error, reward):
+            raise GatewayError(409, f"rollout {rollout_id!r} has finished")
+        return {"rollout_id": rollout_id, "status": status}
+
+    def _end(self, active: OpenRollout, status: str, error: str | None, reward: float | None = None) -> bool:
+        """End an HTTP-opened rollout (once: False if it had ended already)."""
+        rollout_id = active.state.rollout_id
         with active.lock:
             if self.rollouts.pop(rollout_id, None) is None:
-                raise GatewayError(409, f"rollout {rollout_id!r} has finished")
+                return False
         self._by_key.pop(active.key, None)
         if reward is not None:
             self.store.write_reward(Reward(rollout_id=rollout_id, value=reward, source=RewardSource.RETURNED))
@@ -335,7 +350,34 @@ class Gateway:
         self.store.finish_rollout(rollout_id, RolloutStatus(status), time.time(), error,
                                   active.state.oldest_call_version)
         self.store.flush(tracing.settings.flush_timeout)
-        return {"rollout_id": rollout_id, "status": status}
+        return True
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """End, as timed out, the HTTP-opened rollouts that nothing reached for ``idle_timeout`` seconds
+        (an agent that died without finishing): otherwise they would read "running" for ever. A call
+        still streaming counts as activity. Returns their ids."""
+        if self.idle_timeout is None:
+            return []
+        now = time.monotonic() if now is None else now
+        ended = []
+        for active in list(self.rollouts.values()):
+            if active.rollout is None or active.state.open_calls or now - active.last_seen < self.idle_timeout:
+                continue  # a command's rollout ends with its process
+            if self._end(active, RolloutStatus.TIMED_OUT, f"no call, reward or finish reached the gateway for "
+                                                          f"{self.idle_timeout:g} s (its idle timeout); the agent "
+                                                          "probably stopped without finishing its rollout"):
+                ended.append(active.state.rollout_id)
+        if ended:
+            count("gateway_rollouts_timed_out", len(ended))
+        return ended
+
+    def end_all(self, why: str) -> list[str]:
+        """End every HTTP-opened rollout still open as failed (the gateway is stopping: their keys die with it)."""
+        ended = [a.state.rollout_id for a in list(self.rollouts.values())
+                 if a.rollout is not None and self._end(a, RolloutStatus.FAILED, why)]
+        if ended:
+            count("gateway_rollouts_ended_on_stop", len(ended))
+        return ended
 
     # -- OTLP in -------------------------------------------------------------------------------------
     def take_spans(self, spans: list[dict[str, Any]], rollout_id: str | None, headers: Any) -> dict[str, Any]:
@@ -376,6 +418,7 @@ class Gateway:
                 "message": "; ".join(f"{n} span(s): {reason}" for reason, n in why.items())}
 
     def _write_external(self, active: OpenRollout, span: dict[str, Any]) -> None:
+        active.last_seen = time.monotonic()
         attributes = dict(span["attributes"])
         attributes[semconv.ROLLOUT_ID] = active.state.rollout_id
         if semconv.GEN_AI_OPERATION_NAME not in attributes:  # a tool's span, else an agent's step
@@ -430,23 +473,21 @@ class Gateway:
         with self._in_rollout(active, agent):
             if op == semconv.OP_CHAT:
                 self._tool_spans(active, body)
-            return LLMCall(_Client(upstream), _Options(body), op, active.state)
+            return LLMCall(self._clients[upstream], _Options(body), op, active.state, json=True)
 
     async def forward(self, active: OpenRollout, path: str, body: dict[str, Any], agent: str | None,
                       render: Any = None) -> Any:
-        """Send one call to an engine and record it; returns (status, JSON) or an async iterator of SSE bytes
+        """Send one call to an engine and record it; returns (status, JSON) or a ``Relay`` of SSE bytes
         (the engine's chunks as ``render`` writes them: by default as the engine sent them)."""
         op = _ENDPOINTS[path]
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=10.0))
         errors: list[str] = []
         for upstream in self._pick(active):
             call = self.start_call(active, op, body, agent, upstream)
             try:
                 result = await self._send(call, upstream, path, body, render or ChatRenderer())
-            except httpx.TransportError as exc:
+            except UpstreamError as exc:
                 self._down_until[upstream] = time.monotonic() + self.down_for
-                errors.append(f"{upstream}: {type(exc).__name__}: {exc}")
+                errors.append(f"{upstream}: {exc}")
                 call.finish(error=ConnectionError(f"{upstream} could not be reached: {exc}"))
                 count("gateway_upstream_unreachable")
                 continue
@@ -455,22 +496,28 @@ class Gateway:
         raise GatewayError(502, "no upstream engine could serve this call (tried them all); it is recorded on the "
                                 "rollout as a failed call", errors)
 
+    def _pool(self, upstream: str) -> Upstream:
+        pool = self._pools.get(upstream)
+        if pool is None:
+            pool = self._pools[upstream] = Upstream(upstream, timeout=self.timeout)
+        return pool
+
     async def _send(self, call: LLMCall, upstream: str, path: str, body: dict[str, Any], render: Any) -> Any:
-        url = f"{upstream}/v1/{path}"
         stream = bool(body.get("stream"))
+        pool = self._pool(upstream)
         while True:
-            sent = {**body, **(call.options.extra_json or {})}
-            request = self._http.build_request("POST", url, json=sent)
+            sent = orjson.dumps({**body, **(call.options.extra_json or {})})
             self._in_flight[upstream] += 1
             try:
-                response = await self._http.send(request, stream=stream)
+                response = await pool.post(f"/v1/{path}", sent, stream=stream)
+                if response.status_code != 200 or not stream:
+                    raw = await response.read()
             except BaseException:
                 self._in_flight[upstream] -= 1
                 raise
             if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                await response.aclose()
                 self._in_flight[upstream] -= 1
+                text = raw.decode(errors="replace")
                 refused = _UpstreamStatus(response.status_code, text)
                 if _resend_without_token_fields(call, refused):
                     _refused_token_fields(call)
@@ -478,23 +525,20 @@ class Gateway:
                 call.finish(error=refused)
                 return response.status_code, _error_json(text)
             if not stream:
-                try:
-                    data = orjson.loads(await response.aread())
-                finally:
-                    await response.aclose()
-                    self._in_flight[upstream] -= 1
-                call.record_response(_parsed(call.op, data, chunk=False))
+                self._in_flight[upstream] -= 1
+                data = orjson.loads(raw)
+                call.record_response(data)
                 return 200, _strip(data, call.injected)
             call.streamed = True
-            return self._relay(call, response, upstream, render)
+            return Relay(self._relay(call, response, upstream, render), response)
 
-    async def _relay(self, call: LLMCall, response: httpx.Response, upstream: str, render: Any) -> AsyncIterator[bytes]:
+    async def _relay(self, call: LLMCall, response: UpstreamResponse, upstream: str, render: Any) -> AsyncIterator[bytes]:
         """The engine's SSE lines, read as they arrive and recorded; what one network read brings is
         written to the client in one piece (one send per read, not per line)."""
         finished = False
         pending = b""
         try:
-            async for received in response.aiter_bytes():
+            async for received in response.iter_bytes():
                 *lines, pending = (pending + received).split(b"\n")
                 out = []
                 for raw in lines:
@@ -511,53 +555,38 @@ class Gateway:
                         except orjson.JSONDecodeError:
                             pass
                     if data is not None:
-                        call.on_chunk(_parsed(call.op, data, chunk=True))
+                        call.on_chunk(data)
                         out.append(render.chunk(data, call.injected))
                     elif line and render.passthrough:  # comments, events, anything else the engine sent
                         out.append(line + b"\n\n")
                 if out:
                     yield b"".join(out)
         finally:
-            await response.aclose()
+            response.close()
             self._in_flight[upstream] -= 1
             call.finish(incomplete=not finished)
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.close()
 
 
-class _View:
-    """Attribute access over an engine's JSON, as ``LLMCall`` reads the openai types: a missing field is
-    None, and ``model_extra`` is the object itself (vLLM's ``token_ids``, ``prompt_token_ids``). Far
-    cheaper per stream chunk than validating the openai models, and it reads the same fields."""
+class Relay:
+    """A streamed answer: the SSE bytes to send (``async for``), and ``abort`` for a client that hung up
+    (closes the engine's connection, so the engine stops and the call is recorded as cut)."""
 
-    __slots__ = ("_data",)
+    def __init__(self, chunks: AsyncIterator[bytes], response: UpstreamResponse) -> None:
+        self.chunks, self._response = chunks, response
 
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = data
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.chunks
 
-    @property
-    def model_extra(self) -> dict[str, Any]:
-        return self._data
+    def abort(self) -> None:
+        self._response.abort()
 
-    def __getattr__(self, name: str) -> Any:
-        return _view(self._data.get(name))
-
-
-def _view(value: Any) -> Any:
-    if isinstance(value, dict):
-        return _View(value)
-    if isinstance(value, list):
-        return [_view(v) for v in value]
-    return value
-
-
-def _parsed(op: str, data: dict[str, Any], *, chunk: bool) -> Any:
-    """What ``LLMCall`` reads of a response or a stream chunk (``op`` and ``chunk`` say which; the view
-    reads both)."""
-    return _View(data)
+    async def aclose(self) -> None:
+        await self.chunks.aclose()
 
 
 def _error_json(text: str) -> Any:
@@ -570,10 +599,29 @@ def _error_json(text: str) -> Any:
 def create_app(gateway: Gateway) -> Any:
     """The ASGI app serving ``gateway``."""
 
+    async def sweep() -> None:
+        every = min(60.0, gateway.idle_timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(gateway.expire_idle)
+            except Exception as exc:
+                report_failure("gateway idle sweep", exc)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        yield
-        await gateway.close()
+        sweeper = asyncio.ensure_future(sweep()) if gateway.idle_timeout is not None else None
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+            try:  # on this thread: at interpreter exit (a local gateway) no worker thread can be started
+                gateway.end_all("the gateway stopped before the rollout was finished (its key died with it); the "
+                                "calls so far are recorded")
+            except Exception as exc:  # the store may be gone already; the records so far stay as they are
+                report_failure("gateway stop", exc)
+            await gateway.close()
 
     app = FastAPI(title="lightning-rl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
 
@@ -584,22 +632,12 @@ def create_app(gateway: Gateway) -> Any:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > gateway.max_body_bytes:
             raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > gateway.max_body_bytes:
-            raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
-        try:
-            body = orjson.loads(raw) if raw else {}
-        except orjson.JSONDecodeError as exc:
-            raise GatewayError(400, "the request body is not valid JSON", [str(exc)]) from None
-        if not isinstance(body, dict):
-            raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+        return _parse_body(await request.body(), gateway.max_body_bytes)
 
     @app.exception_handler(GatewayError)
     async def _refused(request: Request, exc: GatewayError) -> Response:
         # OpenAI's error shape, so that an agent's OpenAI client shows the reason
-        return _json({"error": {"message": exc.error, "type": "lightning_rl_gateway", "code": exc.status,
-                                "details": exc.details}}, exc.status)
+        return _json(_openai_error(exc.status, exc.error, exc.details), exc.status)
 
     @app.get("/v1/health")
     async def health() -> Response:
@@ -624,20 +662,7 @@ def create_app(gateway: Gateway) -> Any:
         body = await _body(request)
         return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
 
-    async def _call(request: Request, rollout_id: str | None, agent: str | None, *, path: str) -> Response:
-        active = gateway.rollout_for(rollout_id, request.headers)
-        body = await _body(request)
-        if not isinstance(body.get("model"), str):
-            raise GatewayError(422, f"model must be the served model's name (a string), got {body.get('model')!r}")
-        agent = agent or request.headers.get(AGENT_HEADER)
-        result = await gateway.forward(active, path, body, agent)
-        if isinstance(result, tuple):
-            status, data = result
-            return _json(data, status)
-        return StreamingResponse(result, media_type="text/event-stream")
-
     async def _traces(request: Request, rollout_id: str | None) -> Response:
-
         body = await request.body()
         if len(body) > gateway.max_body_bytes:
             raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
@@ -658,66 +683,158 @@ def create_app(gateway: Gateway) -> Any:
     async def rollout_traces(rollout_id: str, request: Request) -> Response:
         return await _traces(request, rollout_id)
 
-    def _openai_error(status: int, message: str) -> dict[str, Any]:
-        return {"error": {"message": message, "type": "lightning_rl_gateway", "code": status, "details": []}}
+    return _CallFront(gateway, app)
 
-    # The dialects answered through chat completions: (to chat, stream renderer, from chat, error shape).
-    dialects = {
-        "messages": (anthropic.to_chat, lambda body: anthropic.StreamRenderer(body["model"]),
-                     lambda data, body: anthropic.from_chat(data, body["model"]), anthropic.error),
-        "responses": (responses.to_chat, responses.StreamRenderer, responses.from_chat, _openai_error),
-    }
 
-    async def _translated(request: Request, rollout_id: str | None, agent: str | None, *, dialect: str) -> Response:
-        """Anthropic Messages or OpenAI Responses, through chat completions; errors in the dialect's shape."""
-        to_chat, renderer, from_chat, error = dialects[dialect]
+def _openai_error(status: int, message: str, details: list[str] | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "lightning_rl_gateway", "code": status, "details": details or []}}
+
+
+def _parse_body(raw: bytes, limit: int) -> dict[str, Any]:
+    if len(raw) > limit:
+        raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, "the request body is not valid JSON", [str(exc)]) from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# A call's path: under /v1 (rollout by key), a rollout's base URL, or an agent's.
+_CALL_PATH = re.compile(r"(?:/rollouts/(?P<rollout>[^/]+)(?:/agents/(?P<agent>[^/]+))?)?"
+                        r"/v1/(?P<endpoint>chat/completions|completions|messages|responses)")
+_JSON = (b"content-type", b"application/json")
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class _CallFront:
+    """The gateway's ASGI app: the LLM calls (the hot path, every call an agent makes) answered here
+    directly, everything else by the FastAPI app behind. Routing a call through FastAPI's middleware,
+    request objects and streaming response cost a sixth of the gateway's CPU per call
+    (docs/benchmarks.md section 12); these routes need none of it."""
+
+    def __init__(self, gateway: Gateway, app: Any) -> None:
+        self.gateway, self.app = gateway, app
+        # The dialects answered through chat completions: (to chat, stream renderer, from chat, error shape).
+        self.dialects = {
+            "messages": (anthropic.to_chat, lambda body: anthropic.StreamRenderer(body["model"]),
+                         lambda data, body: anthropic.from_chat(data, body["model"]), anthropic.error),
+            "responses": (responses.to_chat, responses.StreamRenderer, responses.from_chat, _openai_error),
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _CALL_PATH.fullmatch(scope["path"])
+            if match is not None:
+                await self._call(scope, receive, send, *match.group("rollout", "agent", "endpoint"))
+                return
+        await self.app(scope, receive, send)
+
+    async def _call(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any],
+                    rollout_id: str | None, agent: str | None, endpoint: str) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        dialect = self.dialects.get(endpoint)
         try:
-            active = gateway.rollout_for(rollout_id, request.headers)
-            body = await _body(request)
-            if not isinstance(body.get("model"), str):
-                raise GatewayError(400, f"model must be the served model's name (a string), got {body.get('model')!r}")
-            try:
-                chat = to_chat(body)
-            except anthropic.TranslationError as exc:
-                raise GatewayError(400, str(exc)) from None
-            chat["model"] = body["model"]
-            stream = bool(chat.get("stream"))
-            if stream:
-                chat["stream_options"] = {"include_usage": True}  # the usage the final events carry
-            result = await gateway.forward(active, "chat/completions", chat, agent or request.headers.get(AGENT_HEADER),
-                                           render=renderer(body) if stream else None)
+            raw = await self._read(receive, headers)
+            if dialect is None:
+                result = await self._chat(headers, raw, rollout_id, agent, endpoint)
+            else:
+                result = await self._translated(headers, raw, rollout_id, agent, dialect)
         except GatewayError as exc:
-            return _json(error(exc.status, exc.error), exc.status)
-        if not isinstance(result, tuple):
-            return StreamingResponse(result, media_type="text/event-stream")
+            shape = dialect[3](exc.status, exc.error) if dialect else _openai_error(exc.status, exc.error, exc.details)
+            result = exc.status, shape
+        except Exception as exc:  # a defect of ours: the agent gets a 500 that says so, the failure is logged
+            report_failure("gateway call", exc)
+            result = 500, _openai_error(500, f"the gateway failed on this call: {type(exc).__name__}: {exc}")
+        if isinstance(result, Relay):
+            await self._stream(result, receive, send)
+            return
+        status, data = result
+        body = orjson.dumps(data)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [_JSON, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _read(self, receive: Callable[..., Any], headers: dict[str, str]) -> bytes:
+        limit = self.gateway.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise GatewayError(400, "the client hung up before sending its whole request")
+            piece = message.get("body", b"")
+            size += len(piece)
+            if size > limit:
+                raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+            parts.append(piece)
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    async def _stream(self, relay: Relay, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        """Send a stream as it comes; a client that hangs up cuts the engine's answer (recorded as cut)."""
+        hung_up = False
+
+        async def listen() -> None:
+            nonlocal hung_up
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            hung_up = True
+            relay.abort()
+
+        listener = asyncio.ensure_future(listen())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            async for piece in relay:
+                if hung_up:
+                    break
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except UpstreamError:
+            if not hung_up:  # the engine broke off: the client's stream breaks off too
+                raise
+        finally:
+            listener.cancel()
+            await relay.aclose()
+
+    async def _chat(self, headers: dict[str, str], raw: bytes, rollout_id: str | None, agent: str | None,
+                    path: str) -> Any:
+        active = self.gateway.rollout_for(rollout_id, headers)
+        body = _parse_body(raw, self.gateway.max_body_bytes)
+        if not isinstance(body.get("model"), str):
+            raise GatewayError(422, f"model must be the served model's name (a string), got {body.get('model')!r}")
+        return await self.gateway.forward(active, path, body, agent or headers.get(AGENT_HEADER))
+
+    async def _translated(self, headers: dict[str, str], raw: bytes, rollout_id: str | None, agent: str | None,
+                          dialect: tuple[Any, ...]) -> Any:
+        """Anthropic Messages or OpenAI Responses, through chat completions; errors in the dialect's shape."""
+        to_chat, renderer, from_chat, error = dialect
+        active = self.gateway.rollout_for(rollout_id, headers)
+        body = _parse_body(raw, self.gateway.max_body_bytes)
+        if not isinstance(body.get("model"), str):
+            raise GatewayError(400, f"model must be the served model's name (a string), got {body.get('model')!r}")
+        try:
+            chat = to_chat(body)
+        except anthropic.TranslationError as exc:
+            raise GatewayError(400, str(exc)) from None
+        chat["model"] = body["model"]
+        stream = bool(chat.get("stream"))
+        if stream:
+            chat["stream_options"] = {"include_usage": True}  # the usage the final events carry
+        result = await self.gateway.forward(active, "chat/completions", chat, agent or headers.get(AGENT_HEADER),
+                                            render=renderer(body) if stream else None)
+        if isinstance(result, Relay):
+            return result
         status, data = result
         if status != 200:
             detail = data.get("error", data) if isinstance(data, dict) else data
             message = detail.get("message") if isinstance(detail, dict) else str(detail)
-            return _json(error(status, f"the engine answered {status}: {message}"), status)
-        return _json(from_chat(data, body))
-
-    def rollout_routes(path: str, handle: Callable[..., Any]) -> None:
-        """``path`` under ``/v1`` (rollout by key), a rollout's base URL, and an agent's:
-        ``handle(request, rollout_id, agent)``."""
-        @app.post(f"/v1/{path}", name=f"{path} (rollout by key)")
-        async def by_key(request: Request) -> Response:
-            return await handle(request, None, None)
-
-        @app.post(f"/rollouts/{{rollout_id}}/v1/{path}", name=f"{path} (rollout by path)")
-        async def by_path(rollout_id: str, request: Request) -> Response:
-            return await handle(request, rollout_id, None)
-
-        @app.post(f"/rollouts/{{rollout_id}}/agents/{{agent}}/v1/{path}", name=f"{path} (an agent's call)")
-        async def by_agent(rollout_id: str, agent: str, request: Request) -> Response:
-            return await handle(request, rollout_id, agent)
-
-    for dialect in dialects:
-        rollout_routes(dialect, functools.partial(_translated, dialect=dialect))
-    for path in _ENDPOINTS:
-        rollout_routes(path, functools.partial(_call, path=path))
-
-    return app
+            return status, error(status, f"the engine answered {status}: {message}")
+        return 200, from_chat(data, body)
 
 
 class CommandFailed(LightningRLError, RuntimeError):
