@@ -196,11 +196,14 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
 @click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True)
 @click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED",
               help="replay: a team's policy per agent, as in Trainer(policies=...); repeat for each agent.")
+@click.option("--logger", "loggers", multiple=True, metavar="NAME",
+              help="local: also log to an experiment tracker: tensorboard, mlflow or wandb (offline unless "
+                   "WANDB_MODE/WANDB_API_KEY say otherwise); repeat for several. metrics.jsonl is always written.")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @_errors
 def train(backend, continuous, agent, print_command, store, model_dir, server_url, served_name, out, min_new,
           max_policy_lag, reward_name, lr, temperature, interval, max_updates, replay_store, seed, steps, tasks_per_step,
-          max_staleness, credit, level, policies, overrides) -> None:
+          max_staleness, credit, level, policies, loggers, overrides) -> None:
     """Train the served model: continuously from production traffic (local), or with verl; or replay a run.
 
     Example: lightning-rl train --continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000
@@ -236,7 +239,7 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
         _replay(replay_store, model_dir=model_dir, out=out, served_name=served_name, lr=lr, temperature=temperature,
                 seed=seed, steps=steps,
                 tasks_per_step=tasks_per_step, max_staleness=max_staleness, credit=credit, level=level,
-                policies=policies)
+                policies=policies, loggers=loggers)
         return
     if not continuous:
         raise ConfigurationError(
@@ -251,6 +254,7 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
         store=_open(store), model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
         min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
         local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
+        loggers=list(loggers),
     )
     trainer.start()
     click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
@@ -260,7 +264,7 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
 def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: str, lr: float, temperature: float,
             seed: int,
             steps: int | None, tasks_per_step: int | None, max_staleness: int, credit: str, level: str,
-            policies: tuple[str, ...]) -> None:
+            policies: tuple[str, ...], loggers: tuple[str, ...] = ()) -> None:
     from pathlib import Path
 
     from .errors import ConfigurationError
@@ -292,7 +296,7 @@ def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: 
     trainer = Trainer(agent=None, tasks=(), store=record, model_dir=model_dir, server_url=None, out_dir=out_dir,
                       served_name=served_name, policies=team or None, steps=len(source.batches), seed=seed,
                       credit=credit, level=level, max_staleness=max_staleness, source=source,
-                      local=LocalConfig(lr=lr, temperature=temperature), progress=False)
+                      local=LocalConfig(lr=lr, temperature=temperature), progress=False, loggers=list(loggers))
     how = "what each publish was trained on" if source.from_lineage else f"train groups, {tasks_per_step} a batch"
     click.echo(f"replaying {len(source.batches)} batches from {replay_store} ({how})", err=True)
     result = trainer.fit()

@@ -86,7 +86,8 @@ def test_gateway_demo_trains_the_node_agent(tmp_path):
         pytest.skip("the npm packages of examples/gateway_node (make node-deps)")
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "gateway_node" / "train.py"), "--model-dir", str(ensure_tiny_model()),
-         "--steps", "1", "--n", "2", "--tasks-per-step", "2", "--eval-tasks", "2", "--out", str(tmp_path / "demo")],
+         "--steps", "1", "--n", "2", "--tasks-per-step", "2", "--eval-tasks", "2", "--out", str(tmp_path / "demo"),
+         "--logger", "tensorboard"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -95,3 +96,12 @@ def test_gateway_demo_trains_the_node_agent(tmp_path):
     assert summary["calls"] == 4 and summary["calls_with_engine_ids"] == 4  # 2 tasks x 2 tries, one call each
     lines = [json.loads(x) for x in open(summary["metrics"]).read().splitlines()]
     assert [x["policy_version"] for x in lines if "train_reward" in x] == [1]
+    # Trainer(loggers=["tensorboard"]): the same lines under verl's names, and the step's sample table
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "demo" / "tensorboard" / "demo"), size_guidance={"scalars": 0})
+    events.Reload()
+    (score,) = events.Scalars("critic/score/mean")
+    assert score.step == 1 and score.value == pytest.approx(lines[1]["train_reward"])
+    assert [e.step for e in events.Scalars("val/success")] == [0, 1]
+    assert [e.step for e in events.Tensors("samples/text_summary")] == [1]

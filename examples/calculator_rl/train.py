@@ -112,6 +112,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--tasks-per-step", type=int, default=8)
     parser.add_argument("--eval-tasks", type=int, default=40)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--logger", action="append", default=[], metavar="NAME",
+                        help="also log to tensorboard, mlflow or wandb (offline); repeat for several")
     add_run_arguments(parser, out)
 
 
@@ -159,7 +161,7 @@ def main() -> None:
             model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps, eval_tasks=held_out, eval_n=1,
             eval_agent=make_agent(client, "policy", temperature=0.0),
-            local=LocalConfig(lr=args.lr), seed=args.seed,
+            local=LocalConfig(lr=args.lr), seed=args.seed, loggers=args.logger,
         )
         result = trainer.fit()
     minutes = (time.time() - started) / 60

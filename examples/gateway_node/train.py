@@ -56,7 +56,7 @@ def main() -> None:
             agent=node_agent(server.url, 1.0), tasks=train_tasks, store=store, model_dir=args.model_dir,
             server_url=server.url, out_dir=out, n=args.n, tasks_per_step=args.tasks_per_step, steps=args.steps,
             eval_tasks=held_out, eval_n=1, eval_agent=node_agent(server.url, 0.0), local=LocalConfig(lr=args.lr),
-            seed=args.seed)
+            seed=args.seed, loggers=args.logger)
         result = trainer.fit()
         calls = [c for t in store.trajectories(mode="train") for c in t.llm_calls]
     minutes = (time.time() - started) / 60

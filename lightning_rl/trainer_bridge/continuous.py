@@ -16,14 +16,16 @@ state resumes at the version it published, without training on that batch again.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..store.base import Store
 from .local import LocalBackend, LocalConfig
+from .loggers import MetricsLog, check_loggers, make_loggers, sample_rows
 from .publishers import Publisher, make_publisher, publish_and_record
 from .sources import ProductionStream, StepBatch
 
@@ -44,8 +46,11 @@ class ContinuousTrainer:
     local: LocalConfig = field(default_factory=lambda: LocalConfig(adv_estimator="batch_baseline"))
     seed: int = 0
     publisher: Publisher | None = None
+    loggers: Sequence[Any] = ()  # experiment trackers beside metrics.jsonl (loggers.py)
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
+        check_loggers(self.loggers)
         self.out_dir = Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -54,6 +59,7 @@ class ContinuousTrainer:
             min_new=self.min_new, max_policy_lag=self.max_policy_lag, reward_name=self.reward_name,
             credit=self.credit, level=self.level, agents=self.agents, temperature=self.local.temperature)
         self.backend: LocalBackend | None = None
+        self._metrics: MetricsLog | None = None
 
     @property
     def state(self) -> dict[str, Any]:
@@ -101,8 +107,14 @@ class ContinuousTrainer:
         published = time.perf_counter()
         line = {"version": version, **batch.metrics, **metrics, "read_seconds": read - began,
                 "update_seconds": trained - read, "publish_seconds": published - trained, "time": time.time()}
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        if self._metrics is None:
+            config = {"served_name": self.served_name, "min_new": self.min_new, "max_policy_lag": self.max_policy_lag,
+                      "reward_name": self.reward_name, "credit": self.credit, "level": self.level, "seed": self.seed,
+                      **{f"local.{k}": v for k, v in dataclasses.asdict(self.local).items()
+                         if isinstance(v, (int, float, str, bool)) or v is None}}
+            self._metrics = MetricsLog(self.metrics_path, make_loggers(
+                self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
+        self._metrics.write(line, version, sample_rows(batch.groups))
         return line
 
     def run(self, *, interval: float = 10.0, max_updates: int | None = None) -> None:
@@ -121,3 +133,6 @@ class ContinuousTrainer:
 
     def close(self) -> None:
         self.source.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None

@@ -27,6 +27,7 @@ Without ``policies``, every agent trains the one policy served as ``served_name`
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import random
@@ -42,6 +43,7 @@ from ..store.base import Store
 from ..store.samples import SampleStats, route_by_policy, trajectory_samples
 from .failures import INFRA_ERRORS, FailureCounts, failure_kind, with_failure_reward
 from .local import LocalBackend, LocalConfig
+from .loggers import MetricsLog, check_loggers, make_loggers, sample_rows
 from .publishers import Publisher, check_served, make_publisher, publish_and_record
 from .runner import LoopThread, Runner, run_in_processes
 from .sources import LiveGroups, SampleSource, StepBatch, read_groups
@@ -91,6 +93,8 @@ class Trainer:
     overlap: bool = False  # rollouts go on while the trainer updates (bounded by max_staleness)
     max_staleness: int | None = None  # versions a sample may be behind (None: 1 with overlap, else 0)
     source: SampleSource | None = None  # None: the task set, run live (sources.LiveGroups)
+    loggers: Sequence[Any] = ()  # experiment trackers beside metrics.jsonl: "tensorboard", "mlflow", "wandb" (loggers.py)
+    run_name: str | None = None  # the trackers' run name (default: the out_dir's name)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -107,6 +111,7 @@ class Trainer:
                 raise ConfigurationError("Trainer needs server_url, the vLLM server its agent calls and its new "
                                          "weights are loaded into (only a replay, source=, trains without one)")
         self.max_staleness = self._check_staleness()
+        check_loggers(self.loggers)
         if self.n < 2 and self.local.adv_estimator == "grpo":
             raise ConfigurationError(
                 f"GRPO compares the tries of a task, so it needs n >= 2 (got n={self.n}); raise n, or use "
@@ -304,6 +309,27 @@ class Trainer:
         started = time.time()
         history: list[dict[str, Any]] = []
         result = TrainResult(history, self.metrics_path, None)
+        self._metrics = MetricsLog(self.metrics_path, make_loggers(
+            self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, self.tracker_config()))
+        try:
+            self._fit(result, history, started, backend, publishers, weights, versions)
+        finally:
+            self._metrics.close()
+        result.plot_path = plot_metrics(self.metrics_path, self.out_dir / "reward.png")
+        self.close()
+        return result
+
+    def tracker_config(self) -> dict[str, Any]:
+        """The run's settings as the trackers record them (params, config)."""
+        config = {k: getattr(self, k) for k in ("backend", "served_name", "n", "tasks_per_step", "steps", "level",
+                                                 "credit", "seed", "overlap", "max_staleness", "eval_n")}
+        config.update({f"local.{k}": v for k, v in dataclasses.asdict(self.local).items()
+                       if isinstance(v, (int, float, str, bool)) or v is None})
+        config["policies"] = dict(self.policies) if self.policies else None
+        return config
+
+    def _fit(self, result: TrainResult, history: list[dict[str, Any]], started: float, backend: LocalBackend,
+             publishers: Mapping[str, Publisher], weights: Callable[[str], Any], versions: dict[str, int]) -> None:
         if self.eval_tasks:
             result.eval_before = self.evaluate()
             self._log(history, {"step": 0, "eval_success": result.eval_before, "policy_version": 0, "time_s": 0.0})
@@ -320,7 +346,7 @@ class Trainer:
                 source.published(step + 1)
                 line["update_s"] = round(time.monotonic() - updating, 3)  # samples, update and publish
                 line["time_s"] = round(time.time() - started, 1)
-                self._log(history, line)
+                self._log(history, line, sample_rows(batch.groups))
                 steps.update(1)
                 steps.set_postfix(reward=f"{line['train_reward']:.2f}")
         finally:
@@ -331,9 +357,6 @@ class Trainer:
             self._log(history, {"step": sum(1 for x in history if "train_reward" in x),
                                 "eval_success": result.eval_after, "policy_version": max(versions.values()),
                                 "time_s": round(time.time() - started, 1)})
-        result.plot_path = plot_metrics(self.metrics_path, self.out_dir / "reward.png")
-        self.close()
-        return result
 
     def _train_step(self, step: int, batch: StepBatch, backend: LocalBackend, publishers: Mapping[str, Publisher],
                     weights: Callable[[str], Any], versions: dict[str, int]) -> dict[str, Any]:
@@ -380,10 +403,9 @@ class Trainer:
             self._loop.close()
             self._loop = None
 
-    def _log(self, history: list[dict[str, Any]], line: dict[str, Any]) -> None:
+    def _log(self, history: list[dict[str, Any]], line: dict[str, Any], samples: Sequence[Sequence[Any]] = ()) -> None:
         history.append(line)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        self._metrics.write(line, line["step"], samples)
 
 
 class _NoBar:
