@@ -9,9 +9,9 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer node-deps model test test-fast test-other-seed soak demo demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer node-deps browser screenshots model test test-fast test-other-seed soak demo demo-team demo-continuous demo-gateway demo-spine bench clean
 
-all: venv venv-vllm model node-deps
+all: venv venv-vllm model node-deps browser
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,16 @@ $(NODE_DIR)/node_modules/.stamp: $(NODE_DIR)/package.json $(NODE_DIR)/package-lo
 	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 node-deps: $(NODE_DIR)/node_modules/.stamp
+
+# Debian's chromium for the viewer's browser test (Playwright for Python drives it by its path; no
+# browser is downloaded). Installed from Debian's packages when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+# The viewer's screenshots in docs/images (the README shows them), taken by its browser test.
+screenshots: all
+	LIGHTNING_RL_VIEWER_SCREENSHOTS=1 $(PY) -m pytest -q tests/test_viewer.py
 
 MODEL_ARGS := --layers 4 --warm-start-steps 1200
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
@@ -106,6 +116,7 @@ bench: all venv-peer
 	$(PY) bench/bench_policy_memory.py
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
 	$(PY) bench/bench_gateway.py --json-out .cache/bench-gateway.json
+	$(PY) bench/bench_viewer.py --json-out .cache/bench-viewer.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache

@@ -383,6 +383,31 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
     serve(proxy, host=host, port=port, log_level=log_level)
 
 
+@main.command("view")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--metrics", "metrics_dir", default=None, type=click.Path(file_okay=False),
+              help="A folder with training runs' metrics.jsonl (searched below it) for the Training page.")
+@click.option("--tokenizer", default=None, type=click.Path(file_okay=False),
+              help="The served model's directory, to show token text (default: token ids).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Anything but loopback needs --token.")
+@click.option("--port", type=int, default=8500, show_default=True)
+@click.option("--token", envvar="LIGHTNING_RL_VIEW_TOKEN", default=None,
+              help="Required beyond loopback; open the viewer with ?token=... (default: $LIGHTNING_RL_VIEW_TOKEN).")
+@_errors
+def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host: str, port: int,
+         token: str | None) -> None:
+    """A read-only web UI over a store: rollouts, conversations, tokens, rewards, groups, training curves.
+
+    Example: lightning-rl view --store runs.db --metrics .cache/demo-rl --tokenizer .cache/tiny-qwen2
+    """
+    from .viewer.app import check_bind, serve
+
+    check_bind(host, token)
+    opened = _open(store)
+    click.echo(f"viewer on http://{host}:{port} over {opened.url}", err=True)
+    serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token)
+
+
 @main.command("runner")
 @click.option("--agent", required=True, help="module:function of the traced agent to run on leased tasks.")
 @click.option("--store", default=None, help=STORE_HELP + " Usually http://HOST:PORT of a store server.")

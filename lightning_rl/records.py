@@ -100,6 +100,47 @@ class Rollout(_Record):
     error: str | None = None
 
 
+ROLLOUT_SORTS = ("start_time", "reward", "status", "agent", "mode", "policy_version", "rollout_id")
+
+
+class RolloutQuery(BaseModel):
+    """A filtered, sorted page of rollouts (``Store.rollout_page``; the viewer's list). ``reward`` is the
+    sum of the rollout's rewards named ``reward`` (returned, emitted mid-run and late); ``text`` matches
+    the task's JSON or the rollout id."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Mode | None = None
+    status: RolloutStatus | None = None
+    agent: str | None = None
+    group_id: str | None = None
+    policy_version: int | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    text: str | None = None
+    sort: str = "start_time"
+    descending: bool = True
+    offset: int = Field(default=0, ge=0)
+    limit: int = Field(default=50, ge=1, le=1000)
+
+    @field_validator("sort")
+    @classmethod
+    def _known_sort(cls, value: str) -> str:
+        if value not in ROLLOUT_SORTS:
+            raise ValueError(f"sort must be one of {', '.join(ROLLOUT_SORTS)}, got {value!r}")
+        return value
+
+
+class RolloutRow(BaseModel):
+    rollout: Rollout
+    reward: float | None = None  # the sum of its rewards named "reward" (None: none yet)
+    rewards: int = 0  # how many such rewards
+
+
+class RolloutPage(BaseModel):
+    rows: list[RolloutRow]
+    total: int  # rollouts matching the filters, over all pages
+
+
 class SpanTokens(BaseModel):
     """The engine's token ids and log-probs of one LLM call, as read back from a store.
 

@@ -1,7 +1,7 @@
 """Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
 
 bottom (records, errors, semconv, settings, diagnostics) <- tracer <- adapters; bottom <- store;
-tracer, adapters and store <- gateway; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
+tracer, adapters and store <- gateway; store and trainer_bridge <- viewer; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
 functions count too: a lazy import still runs against the flow.
 """
 
@@ -17,11 +17,13 @@ BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics"}
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {
-    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway"},
-    "tracer": {"store", "adapters", "trainer_bridge", "face", "gateway"},
-    "store": {"tracer", "adapters", "trainer_bridge", "face", "gateway"},
-    "adapters": {"store", "trainer_bridge", "face", "gateway"},
-    "gateway": {"trainer_bridge", "face"},  # the tracer and its openai adapter behind HTTP
+    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway", "viewer"},
+    "tracer": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},
+    "store": {"tracer", "adapters", "trainer_bridge", "face", "gateway", "viewer"},
+    "adapters": {"store", "trainer_bridge", "face", "gateway", "viewer"},
+    "gateway": {"trainer_bridge", "face", "viewer"},  # the tracer and its openai adapter behind HTTP
+    "viewer": {"tracer", "adapters", "gateway", "face"},  # reads the store; the trainer's advantage function
+    "trainer_bridge": {"viewer"},
 }
 
 
@@ -80,7 +82,7 @@ def test_no_import_runs_against_the_flow():
 
 def test_every_package_module_is_in_a_known_layer():
     layers = {layer_of(dotted) for dotted, _, _ in _modules()}
-    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server", "gateway"}
+    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server", "gateway", "viewer"}
     assert {"bottom", "tracer", "store", "adapters"} <= layers
 
 

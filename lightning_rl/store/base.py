@@ -11,6 +11,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import orjson
+from pydantic import ValidationError
+
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
 from ..records import (
     Mode,
@@ -19,6 +22,9 @@ from ..records import (
     Reward,
     RewardSource,
     Rollout,
+    RolloutPage,
+    RolloutQuery,
+    RolloutRow,
     RolloutStatus,
     Sample,
     Span,
@@ -36,6 +42,31 @@ def _since(value: float | dt.datetime | None) -> float | None:
     if isinstance(value, dt.datetime):
         return value.timestamp()
     raise ConfigurationError(f"since must be a UNIX time or a datetime, got {shown(value)}")
+
+
+def page_matches(query: RolloutQuery, row: RolloutRow) -> bool:
+    r = row.rollout
+    if any(want is not None and have != want for want, have in (
+            (query.mode, r.mode), (query.status, r.status), (query.agent, r.agent), (query.group_id, r.group_id),
+            (query.policy_version, r.policy_version))):
+        return False
+    if (query.reward_min is not None or query.reward_max is not None) and row.reward is None:
+        return False
+    if query.reward_min is not None and row.reward < query.reward_min:
+        return False
+    if query.reward_max is not None and row.reward > query.reward_max:
+        return False
+    if query.text:
+        task = orjson.dumps(r.task).decode() if r.task is not None else ""
+        text = query.text.lower()  # as SQLite's LIKE: ASCII letters in any case
+        if text not in task.lower() and text not in r.rollout_id.lower():
+            return False
+    return True
+
+
+def page_sort_key(query: RolloutQuery, row: RolloutRow) -> tuple:
+    value = row.reward if query.sort == "reward" else getattr(row.rollout, query.sort)
+    return (value is None, "" if value is None else value, row.rollout.start_time)
 
 
 class Store:
@@ -101,6 +132,28 @@ class Store:
                 f"no rollout {shown(rollout_id)} in {self.url}; list ids with `lightning-rl rollouts ls`"
             )
         return rollout
+
+    def rollout_page(self, query: RolloutQuery | None = None, **filters: Any) -> RolloutPage:
+        """One page of rollouts, filtered and sorted (``RolloutQuery``; keyword filters build one)."""
+        if query is None:
+            try:
+                query = RolloutQuery(**filters)
+            except ValidationError as exc:
+                raise ConfigurationError(f"bad rollout query: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+        return self._rollout_page(query)
+
+    def _rollout_page(self, query: RolloutQuery) -> RolloutPage:
+        """Any store: filter and sort in Python (the SQLite store does it in SQL)."""
+        rows = []
+        for rollout in self._query_rollouts(mode=None, status=None, since=None, min_policy_version=None, limit=None,
+                                            newest_first=False):
+            values = [r.value for r in self._get_rewards(rollout.rollout_id) if r.name == "reward"]
+            row = RolloutRow(rollout=rollout, reward=sum(values) if values else None, rewards=len(values))
+            if page_matches(query, row):
+                rows.append(row)
+        rows.sort(key=lambda row: page_sort_key(query, row), reverse=query.descending)
+        rows.sort(key=lambda row: page_sort_key(query, row)[0])  # no value (no reward, no agent) last, either way
+        return RolloutPage(rows=rows[query.offset:query.offset + query.limit], total=len(rows))
 
     def rollouts(
         self,

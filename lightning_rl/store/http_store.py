@@ -37,7 +37,8 @@ import orjson
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
-from ..records import PolicyRecord, QueueEntry, QueueStatus, Reward, Rollout, RolloutStatus, Span, SpanRow
+from ..records import (PolicyRecord, QueueEntry, QueueStatus, Reward, Rollout, RolloutPage, RolloutQuery, RolloutStatus, Span,
+                       SpanRow)
 from ..settings import Settings
 from . import wire
 from .base import Store
@@ -289,6 +290,9 @@ class HttpStore(Store):
             mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit,
             newest_first="true" if newest_first else None))
         return wire.ROLLOUTS.validate_python(data)
+
+    def _rollout_page(self, query: RolloutQuery) -> RolloutPage:
+        return RolloutPage.model_validate(self._request("POST", "/rollouts/page", json=query.model_dump(mode="json")))
 
     def _get_spans(self, rollout_id: str) -> list[Span]:
         return wire.SPANS.validate_python(self._request("GET", f"/rollouts/{_quote(rollout_id)}/spans"))

@@ -38,7 +38,7 @@ except ImportError as exc:  # the server is an extra; clients need only the core
         f"the store server needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
     ) from None
 from ..diagnostics import counters
-from ..records import PolicyRecord, QueueEntry, Reward, Rollout, Span
+from ..records import PolicyRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
 from ..settings import check_synchronous
 from . import wire
 from .base import Store
@@ -298,6 +298,13 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
             mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit,
             newest_first=newest_first))
         return _json([r.model_dump(mode="json") for r in found])
+
+    @app.post(f"{p}/rollouts/page", response_model=RolloutPage, openapi_extra=_body_schema(RolloutQuery))
+    async def rollout_page(request: Request) -> Response:
+        """A filtered, sorted page of rollouts with their reward sums (the viewer's list)."""
+        query = await body_of(request, RolloutQuery)
+        page = await anyio.to_thread.run_sync(lambda: store.rollout_page(query))
+        return _json(page.model_dump(mode="json"))
 
     @app.get(f"{p}/rollouts/{{rollout_id}}", response_model=Rollout)
     async def rollout(rollout_id: str) -> Response:

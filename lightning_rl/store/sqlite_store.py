@@ -24,7 +24,8 @@ import orjson
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
-from ..records import PolicyRecord, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
+from ..records import (PolicyRecord, Reward, Rollout, RolloutPage, RolloutQuery, RolloutRow, RolloutStatus, Span,
+                       SpanRow, allowed_from)
 from ..settings import Settings, check_synchronous
 from .base import Store
 from .lifecycle import track
@@ -363,6 +364,52 @@ class SQLiteStore(Store):
             sql += " LIMIT ?"
             params.append(int(limit))
         return [rollout_from_values(r) for r in self._read(sql, tuple(params))]
+
+    def _rollout_page(self, query: RolloutQuery) -> RolloutPage:
+        """In SQL: filters on the rollouts' columns (indexed by mode and start), the reward sum joined
+        only when it is filtered or sorted on; otherwise read for the page's rows alone."""
+        where, params = [], []
+        for column, value in (("mode", query.mode), ("status", query.status), ("agent", query.agent),
+                              ("group_id", query.group_id), ("policy_version", query.policy_version)):
+            if value is not None:
+                where.append(f"r.{column} = ?")
+                params.append(value.value if hasattr(value, "value") else value)
+        if query.text:
+            pattern = "%" + query.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where.append("(r.task LIKE ? ESCAPE '\\' OR r.rollout_id LIKE ? ESCAPE '\\')")
+            params += [pattern, pattern]
+        by_reward = query.sort == "reward" or query.reward_min is not None or query.reward_max is not None
+        sums = ("(SELECT rollout_id, SUM(value) AS reward, COUNT(*) AS n FROM rewards WHERE name = 'reward' "
+                "GROUP BY rollout_id)")
+        source = f"rollouts r LEFT JOIN {sums} w ON w.rollout_id = r.rollout_id" if by_reward else "rollouts r"
+        if query.reward_min is not None:
+            where.append("w.reward >= ?")
+            params.append(query.reward_min)
+        if query.reward_max is not None:
+            where.append("w.reward <= ?")
+            params.append(query.reward_max)
+        clause = (" WHERE " + " AND ".join(where)) if where else ""
+        direction = "DESC" if query.descending else "ASC"
+        column = "w.reward" if query.sort == "reward" else f"r.{query.sort}"
+        order = f"{column} IS NULL, {column} {direction}, r.start_time {direction}, r.rowid {direction}"
+        columns = ", ".join(f"r.{c}" for c in ROLLOUT_COLUMNS)
+        extra = ", w.reward, w.n" if by_reward else ""
+        with self._rlock:
+            total = self._rconn.execute(f"SELECT count(*) FROM {source}{clause}", params).fetchone()[0]
+            found = self._rconn.execute(f"SELECT {columns}{extra} FROM {source}{clause} ORDER BY {order} LIMIT ? OFFSET ?",
+                                        (*params, query.limit, query.offset)).fetchall()
+            n = len(ROLLOUT_COLUMNS)
+            if by_reward:
+                rewards = {row[0]: (row[n], row[n + 1] or 0) for row in found}
+            else:
+                ids = [row[0] for row in found]
+                marks = ", ".join("?" * len(ids))
+                rewards = {rid: (total_, count_) for rid, total_, count_ in self._rconn.execute(
+                    f"SELECT rollout_id, SUM(value), COUNT(*) FROM rewards WHERE name = 'reward' AND rollout_id IN "
+                    f"({marks}) GROUP BY rollout_id", ids).fetchall()} if ids else {}
+        rows = [RolloutRow(rollout=rollout_from_values(row[:n]), reward=rewards.get(row[0], (None, 0))[0],
+                           rewards=rewards.get(row[0], (None, 0))[1]) for row in found]
+        return RolloutPage(rows=rows, total=total)
 
     def _get_spans(self, rollout_id: str) -> list[Span]:
         rows = self._read(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE rollout_id = ? ORDER BY seq", (rollout_id,))

@@ -61,6 +61,13 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def staleness_mean(histogram: Mapping[Any, Any]) -> float | None:
+    """Mean versions behind, from a metrics line's staleness histogram ({"0": n0, "1": n1, ...})."""
+    counts = {int(k): v for k, v in histogram.items() if str(k).isdigit() and _number(v) is not None}
+    total = sum(counts.values())
+    return sum(k * n for k, n in counts.items()) / total if total else None
+
+
 def tracker_metrics(line: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of one metrics line, named for trackers (module doc). Non-numbers (text, lists) are
     left out; nested counts are flattened (``lightning_rl/outcomes/succeeded``); the staleness
@@ -72,12 +79,9 @@ def tracker_metrics(line: Mapping[str, Any]) -> dict[str, float]:
                 for name, number in tracker_metrics(numbers).items():
                     out[f"{policy}/{name}"] = number
             continue
-        if key == "staleness" and isinstance(value, Mapping) and value:
-            counts = {int(k): v for k, v in value.items() if str(k).lstrip("-").isdigit() and _number(v) is not None}
-            total = sum(counts.values())
-            if total:
-                out["training/off_policy/trajectory_staleness/mean"] = sum(k * n for k, n in counts.items()) / total
-                out["training/off_policy/trajectory_staleness/max"] = float(max(counts))
+        if key == "staleness" and isinstance(value, Mapping) and (mean := staleness_mean(value)) is not None:
+            out["training/off_policy/trajectory_staleness/mean"] = mean
+            out["training/off_policy/trajectory_staleness/max"] = float(max(int(k) for k in value if str(k).isdigit()))
         if isinstance(value, Mapping):
             for sub, number in value.items():
                 if (x := _number(number)) is not None:
