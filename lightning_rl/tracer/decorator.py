@@ -240,6 +240,11 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
             active.sink.write_reward(
                 Reward(rollout_id=rollout.rollout_id, value=value, source=RewardSource.RETURNED)
             )
+            # a reward helper's score (lightning_rl.rewards): its parts too, each under its own name
+            for part, part_value in (getattr(result, "reward_parts", None) or {}).items():
+                if part != "reward":
+                    active.sink.write_reward(Reward(rollout_id=rollout.rollout_id, value=check_reward(
+                        part_value, what=f"reward part {part!r}"), name=part, source=RewardSource.RETURNED))
         except InvalidRewardError as bad:
             status, error, reward_error = RolloutStatus.FAILED, str(bad), bad
         except Exception as failure:
