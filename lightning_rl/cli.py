@@ -136,26 +136,57 @@ def rollouts_show(rollout_id: str, store: str | None, credit: str, as_json: bool
 
 @main.command("export")
 @click.option("--store", default=None, help=STORE_HELP)
-@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["tokens", "jsonl", "chat"]), default="tokens", show_default=True,
+              help="tokens (alias jsonl): training samples with the engine's token ids and masks; chat: "
+                   "conversations with tools and tool calls, as TRL's SFTTrainer and chat templates read them.")
 @click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True,
-              help="One sample per LLM call, or per trajectory (merged by exact token prefix).")
-@click.option("--credit", default="final", show_default=True, help="final, discounted, per_step, return_to_go, ...")
+              help="tokens: one sample per LLM call, or per trajectory (merged by exact token prefix).")
+@click.option("--credit", default="final", show_default=True, help="tokens: final, discounted, per_step, ...")
 @click.option("--agents", default=None, help="Regex of agent names to keep (full match).")
 @click.option("--mode", type=click.Choice(["train", "eval", "prod"]), default=None)
 @click.option("--min-policy-version", type=int, default=None)
-@click.option("--include-unrewarded", is_flag=True, help="Also samples without a reward.")
+@click.option("--include-unrewarded", is_flag=True, help="tokens: also samples without a reward.")
+@click.option("--min-reward", type=float, default=None, help="chat: only rollouts rewarded at least this.")
+@click.option("--max-reward", type=float, default=None, help="chat: only rollouts rewarded at most this.")
+@click.option("--best-of-group", is_flag=True, help="chat: the best-rewarded try of each group (rejection sampling).")
 @click.option("-o", "--out", type=click.File("w"), default="-", help="Output file (default stdout).")
 @_errors
-def export(store, fmt, level, credit, agents, mode, min_policy_version, include_unrewarded, out) -> None:
-    """Export training samples of succeeded rollouts as JSON lines.
+def export(store, fmt, level, credit, agents, mode, min_policy_version, include_unrewarded, min_reward, max_reward,
+           best_of_group, out) -> None:
+    """Export succeeded rollouts as JSON lines: training samples (tokens) or conversations (chat).
 
-    Example: lightning-rl export --format jsonl --level trajectory --credit final -o samples.jsonl
+    Example: lightning-rl export --format tokens --level trajectory --credit final -o samples.jsonl
+
+    Example: lightning-rl export --format chat --min-reward 1 --best-of-group -o sft.jsonl
     """
+    import json as _json
+
+    from .errors import ConfigurationError
+
+    if fmt == "chat":
+        from .store.export import chat_examples
+
+        with _open(store) as s:
+            examples, stats = chat_examples(s, mode=mode, agents=agents, min_reward=min_reward, max_reward=max_reward,
+                                            min_policy_version=min_policy_version, best_of_group=best_of_group)
+        for example in examples:
+            out.write(_json.dumps(example, ensure_ascii=False) + "\n")
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(stats.skipped.items()))
+        click.echo(f"exported {stats.examples} conversations from {stats.rollouts_read} succeeded rollouts"
+                   + (f" (skipped: {skipped})" if skipped else ""), err=True)
+        return
+    if min_reward is not None or max_reward is not None or best_of_group:
+        raise ConfigurationError("--min-reward, --max-reward and --best-of-group go with --format chat")
     with _open(store) as s:
         samples, stats = s.samples(
             level=level, agents=agents, include_unrewarded=include_unrewarded, credit=credit,
             mode=mode, min_policy_version=min_policy_version,
         )
+    if not samples:
+        raise ConfigurationError(
+            f"the export matched no sample ({stats.splits} prefix splits, {stats.missing_token_ids} calls without "
+            f"token ids, {stats.skipped_unrewarded} unrewarded skipped); loosen --mode, --agents or "
+            "--min-policy-version, or add --include-unrewarded")
     for sample in samples:
         out.write(sample.model_dump_json() + "\n")
     click.echo(

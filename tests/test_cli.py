@@ -106,3 +106,69 @@ def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path):
     empty.write_text('{"step": 1}\n')
     bad = run("plot", str(empty))
     assert bad.exit_code == 1 and "no train_reward or eval_success" in bad.output
+
+
+def _sft_db(path, tokenizer_tools):
+    """Two groups of two tries, a calculator conversation each, rewarded 1 and 0."""
+    from lightning_rl import semconv
+    from lightning_rl.records import Span, SpanTokens
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}
+    with SQLiteStore(path) as s:
+        for g in range(2):
+            for attempt, reward in enumerate((0.0, 1.0)):
+                rid = f"r{g}{attempt}"
+                s.start_rollout(rollout(rid, group_id=f"g{g}", attempt=attempt))
+                conversation = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 2+2?"},
+                                {"role": "assistant", "content": None, "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "call_1", "content": str(4 + attempt - 1)}]
+                s.add_spans([Span(rollout_id=rid, seq=0, trace_id="%032x" % 1, span_id="%016x" % 2, name="chat tiny",
+                                  kind="CLIENT", start_ns=1, end_ns=2, tokens=SpanTokens(prompt_ids=[1, 2], response_ids=[3]),
+                                  attributes={semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: 0,
+                                              semconv.GEN_AI_AGENT_NAME: "calc", semconv.TOKEN_IDS_SOURCE: "engine",
+                                              semconv.GEN_AI_TOOL_DEFINITIONS: json.dumps(tokenizer_tools),
+                                              semconv.GEN_AI_INPUT_MESSAGES: json.dumps(conversation),
+                                              semconv.GEN_AI_OUTPUT_MESSAGES: json.dumps(
+                                                  [{"role": "assistant", "content": str(4 + attempt - 1)}])})])
+                s.write_reward(Reward(rollout_id=rid, value=reward, source=RewardSource.RETURNED))
+                s.finish_rollout(rid, RolloutStatus.SUCCEEDED, time.time(), None)
+
+
+def test_export_chat_for_sft_filters_best_of_group_and_renders_with_the_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from .conftest import ensure_tiny_model
+
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}}}}]
+    db = str(tmp_path / "sft.db")
+    _sft_db(db, tools)
+    out = tmp_path / "sft.jsonl"
+    result = run("export", "--store", db, "--format", "chat", "--min-reward", "1", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    examples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(e["rollout_id"] for e in examples) == ["r01", "r11"] and all(e["reward"] == 1.0 for e in examples)
+    assert "exported 2 conversations from 4 succeeded rollouts (skipped: 2 reward out of range)" in result.output
+    first = examples[0]
+    assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert first["messages"][2]["tool_calls"][0]["function"]["arguments"] == {"expression": "2+2"}  # an object
+    assert first["tools"] == tools
+    # what fine-tuning tools do with it: the served model's chat template renders it, tools and all
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    text = tokenizer.apply_chat_template(first["messages"], tools=first["tools"], tokenize=False)
+    assert '"expression": "2+2"' in text and "<tool_response>" in text and "calculator" in text
+
+    best = [json.loads(x) for x in run("export", "--store", db, "--format", "chat", "--best-of-group").output
+            .splitlines() if x.startswith("{")]
+    assert sorted(e["rollout_id"] for e in best) == ["r01", "r11"]  # the rewarded try of each group
+
+
+def test_an_export_that_matches_nothing_says_why(tmp_path):
+    db = str(tmp_path / "sft.db")
+    _sft_db(db, [])
+    result = run("export", "--store", db, "--format", "chat", "--min-reward", "2")
+    assert result.exit_code == 1
+    assert "matched no conversation (4 succeeded rollouts read; skipped: 4 reward out of range)" in result.output
+    assert run("export", "--store", db, "--mode", "prod").exit_code == 1
+    assert run("export", "--store", db, "--min-reward", "1").exit_code == 1  # chat-only filters on tokens
