@@ -195,6 +195,55 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
     )
 
 
+@main.command("sft")
+@click.option("--data", required=True, type=click.Path(dir_okay=False),
+              help="JSON lines from lightning-rl export --format chat (or --format tokens).")
+@click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="The base model (served by vLLM).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for sft_adapter/ and sft.json.")
+@click.option("--epochs", type=int, default=2, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@_errors
+def sft(data: str, model_dir: str, out: str, epochs: int, lr: float, seed: int) -> None:
+    """Warm-start a LoRA from good traces (supervised), with the RL trainer's PEFT setup.
+
+    Then train with Trainer(init_adapter=OUT/sft_adapter), or serve the adapter.
+
+    Example: lightning-rl export --format chat --min-reward 1 --best-of-group -o good.jsonl && lightning-rl sft --data good.jsonl --model-dir base/ --out .cache/sft
+    """
+    from pathlib import Path
+
+    from .trainer_bridge.sft import warm_start
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    stats, path = warm_start(data, model_dir, out, seed=seed, epochs=epochs, lr=lr)
+    click.echo(json.dumps(stats))
+    click.echo(f"adapter written to {path}; train from it with Trainer(init_adapter={str(path)!r})", err=True)
+
+
+@main.command("export-model")
+@click.option("--adapter", required=True, type=click.Path(file_okay=False), help="A LoRA adapter folder the trainer published.")
+@click.option("--merge", is_flag=True, help="Fold the adapter into the base model's weights (required).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="A new folder for the merged model.")
+@click.option("--base-model", default=None, type=click.Path(file_okay=False),
+              help="The base model folder (default: the one the adapter names).")
+@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
+@_errors
+def export_model(adapter: str, merge: bool, out: str, base_model: str | None, dtype: str) -> None:
+    """Write a merged Hugging Face model (base + adapter) that vLLM serves as it is.
+
+    Example: lightning-rl export-model --adapter .cache/demo-rl/adapters/v00020 --merge --out merged/
+    """
+    from .errors import ConfigurationError
+    from .trainer_bridge.export_model import merge_adapter
+
+    if not merge:
+        raise ConfigurationError("export-model writes a merged model: add --merge (vLLM serves the adapter folder "
+                                 "itself with --enable-lora --lora-modules NAME=DIR)")
+    path = merge_adapter(adapter, out, base_model=base_model, dtype=dtype)
+    click.echo(f"merged model written to {path} (serve it: vllm serve {path})", err=True)
+
+
 @main.command("train", context_settings={"ignore_unknown_options": True})
 @click.option("--backend", type=click.Choice(["local", "verl"]), default="local", show_default=True)
 @click.option("--continuous", is_flag=True, help="local: train from production rollouts (mode prod) as rewards arrive.")

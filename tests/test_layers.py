@@ -17,14 +17,15 @@ BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics"}
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {
-    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway", "viewer", "rewards"},
-    "tracer": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},
-    "store": {"tracer", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},
-    "adapters": {"store", "trainer_bridge", "face", "gateway", "viewer", "rewards"},
+    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway", "viewer", "rewards", "judge"},
+    "tracer": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
+    "store": {"tracer", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
+    "adapters": {"store", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
     "gateway": {"trainer_bridge", "face", "viewer"},  # the tracer and its openai adapter behind HTTP
     "viewer": {"tracer", "adapters", "gateway", "face"},  # reads the store; the trainer's advantage function
     "trainer_bridge": {"viewer"},
     "rewards": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},  # helpers over the tracer
+    "judge": {"tracer", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP only
 }
 
 
@@ -83,7 +84,7 @@ def test_no_import_runs_against_the_flow():
 
 def test_every_package_module_is_in_a_known_layer():
     layers = {layer_of(dotted) for dotted, _, _ in _modules()}
-    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server", "gateway", "viewer", "rewards"}
+    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server", "gateway", "viewer", "rewards", "judge"}
     assert {"bottom", "tracer", "store", "adapters"} <= layers
 
 

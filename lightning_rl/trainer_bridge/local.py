@@ -384,6 +384,64 @@ class LocalBackend:
         return stats
 
 
+    def sft(self, samples: list[Sample], *, epochs: int = 1, lr: float | None = None,
+            policy: str | None = None) -> dict[str, float]:
+        """Supervised fine-tuning of ``policy``'s adapter on ``samples``: the mean negative log-likelihood
+        of their trained response tokens (``response_mask``), at temperature 1, in mini-batches of the
+        config's size, with an optimizer of its own (the RL optimizer's state starts clean after it).
+        Returns the mean loss of the first and of the last epoch, and the counts."""
+        if not samples:
+            raise ConfigurationError("sft needs at least one sample")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
+        self._use(policy)
+        cfg = self._configs[policy]
+        params = self._params(self._name(policy))
+        optimizer = torch.optim.AdamW(params, lr=lr if lr is not None else cfg.lr, weight_decay=0.0)
+        batch = build_batch(samples, self.pad_token_id)
+        mask = batch.response_mask.to(self.device)
+        order = torch.Generator().manual_seed(self._seed)
+        losses: list[float] = []
+        steps = 0
+        for _ in range(epochs):
+            perm = torch.randperm(len(samples), generator=order).tolist()
+            total, count = 0.0, 0
+            for start in range(0, len(perm), cfg.mini_batch_size):
+                mini = perm[start:start + cfg.mini_batch_size]
+                tokens = float(mask[mini].sum().item()) or 1.0
+                optimizer.zero_grad(set_to_none=True)
+                for m in range(0, len(mini), cfg.micro_batch_size):
+                    rows = mini[m:m + cfg.micro_batch_size]
+                    log_prob = self.response_logprobs(batch, rows, 1.0)
+                    nll = -(log_prob * mask[rows]).sum() / tokens  # token mean over the mini-batch
+                    nll.backward()
+                    total += nll.item() * tokens
+                    count += int(mask[rows].sum().item())
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                optimizer.step()
+                steps += 1
+            losses.append(total / max(1, count))
+        return {"sft_loss_first_epoch": losses[0], "sft_loss_last_epoch": losses[-1], "sft_epochs": float(epochs),
+                "sft_optimizer_steps": float(steps), "sft_samples": float(len(samples)),
+                "sft_tokens": float(mask.sum().item())}
+
+
+def load_adapter(backend: LocalBackend, path: str | Path, policy: str | None = None) -> None:
+    """Set ``policy``'s adapter to the weights saved in ``path`` (an adapter folder with the same LoRA setup)."""
+    import peft
+
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise ConfigurationError(f"init_adapter {str(path)!r} is not a LoRA adapter folder (no adapter_config.json)")
+    name = backend._name(policy)
+    weights = peft.load_peft_weights(str(path), device=str(backend.device))
+    result = peft.set_peft_model_state_dict(backend.model, weights, adapter_name=name)
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{name}." in k]
+    if missing:
+        raise ConfigurationError(f"init_adapter {str(path)!r} does not fit this LoRA setup ({len(missing)} weights "
+                                 f"missing, e.g. {missing[0]}); train it with the same LocalConfig (rank, targets)")
+
+
 class AdapterWeights:
     """One adapter of a multi-adapter PEFT model, saved as a plain PEFT adapter folder
     (``adapter_config.json`` and ``adapter_model.safetensors``: what vLLM's LoRA loader reads)."""

@@ -42,7 +42,7 @@ from ..records import RolloutStatus, Sample
 from ..store.base import Store
 from ..store.samples import SampleStats, route_by_policy, trajectory_samples
 from .failures import INFRA_ERRORS, FailureCounts, failure_kind, with_failure_reward
-from .local import LocalBackend, LocalConfig
+from .local import LocalBackend, LocalConfig, load_adapter
 from .loggers import MetricsLog, check_loggers, make_loggers, sample_rows
 from .publishers import Publisher, check_served, make_publisher, publish_and_record
 from .runner import LoopThread, Runner, run_in_processes
@@ -95,6 +95,8 @@ class Trainer:
     source: SampleSource | None = None  # None: the task set, run live (sources.LiveGroups)
     loggers: Sequence[Any] = ()  # experiment trackers beside metrics.jsonl: "tensorboard", "mlflow", "wandb" (loggers.py)
     run_name: str | None = None  # the trackers' run name (default: the out_dir's name)
+    init_adapter: str | Path | None = None  # start from this LoRA adapter folder (Trainer.sft sets it)
+    judge: Any = None  # a GroupJudge: rewards the tries a task set leaves unrewarded (lightning_rl.judge)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -293,9 +295,25 @@ class Trainer:
             return make_publisher("adapter_dir", adapter_dir=folder, served_name=name)
         return make_publisher("vllm_lora", server_url=self.server_url, served_name=name, adapter_dir=folder)
 
+    def sft(self, data: Any, *, epochs: int = 2, lr: float | None = None) -> dict[str, float]:
+        """Warm-start the LoRA by supervised fine-tuning on ``data`` (what ``lightning-rl export --format
+        chat`` or ``--format tokens`` writes: a path or its lines; ``sft.sft_samples``), with the same PEFT
+        setup ``fit`` uses; ``fit`` then starts from it (``init_adapter``; version 0 is the SFT policy).
+        Returns the SFT's losses and counts, also written to ``out_dir/sft.json``."""
+        from .sft import warm_start
+
+        if self.policies is not None:
+            raise ConfigurationError("Trainer.sft warm-starts one policy; with policies= (a team), run it per "
+                                     "policy with its own Trainer, or train the team from the base model")
+        stats, self.init_adapter = warm_start(data, self.model_dir, self.out_dir, local=self.local, seed=self.seed,
+                                              epochs=epochs, lr=lr)
+        return stats
+
     def fit(self) -> TrainResult:
         team = self.policies is not None
         backend = LocalBackend(self.model_dir, self.local, seed=self.seed, policies=self._served if team else None)
+        if self.init_adapter is not None:
+            load_adapter(backend, self.init_adapter)
         publishers = {name: self._publisher(name, self.out_dir / "adapters", team) for name in self._served}
 
         def weights(name: str) -> Any:
@@ -363,7 +381,13 @@ class Trainer:
         """One update from one batch: samples, the stale ones dropped, each policy updated on its own
         samples and published (recording the batch's groups); returns the metrics line."""
         team = self.policies is not None
+        judged: dict[str, int] = {}
+        if self.judge is not None:  # the judge rewards what the agent left unrewarded, then the groups are re-read
+            judged = self.judge.reward_groups(self.store, batch.group_ids)
+            fresh = read_groups(self.store, batch.group_ids, credit=self.credit)
+            batch = StepBatch(batch.group_ids, fresh.groups, batch.outcomes, batch.metrics, batch.samples)
         samples, rewards, counts = self.batch_samples(batch)
+        counts.update(judged)
         samples, stale = self.drop_stale(samples, versions, default_policy=None if team else self.served_name)
         line: dict[str, Any] = {"step": step, **counts, "train_reward": sum(rewards) / max(1, len(rewards)),
                                 **stale, **batch.metrics}

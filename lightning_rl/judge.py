@@ -1,0 +1,159 @@
+"""A group-relative LLM judge: all tries of one task scored together, 0..1, by a rubric.
+
+``GroupJudge(base_url=..., model=..., rubric=...)`` talks to any OpenAI-compatible endpoint (the served
+model, another vLLM model, a hosted API). ``judge.score(task, answers)`` asks it once per group for
+``{"scores": [...]}``, one number per answer, at temperature 0. With ``guided=True`` (the default) the
+answer is constrained by a JSON schema (``response_format`` ``json_schema``, which vLLM enforces): n
+scores, each one of 0, 0.25, 0.5, 0.75, 1, since a grammar can bound a list but not a float's value.
+
+* **Never a silent 0.** An answer that is not valid JSON, the wrong count, or a number outside 0..1,
+  or a call that fails: ``score`` returns ``None`` for the whole group (the rollouts stay unrewarded),
+  counts ``judge_failures`` and logs the cause once.
+* **Cached by content**: the same model, rubric, task and answers are judged once per judge (and
+  across runs with ``cache_path``, a JSON file); hits are counted (``judge_cache_hits``).
+* **Never a training sample.** The judge's request goes over plain HTTP, not through the instrumented
+  OpenAI client, so no rollout records it as an LLM call. ``judge.reward_groups(store, group_ids)``
+  writes each judged rollout's reward (name ``reward``, source ``function``) and a ``judge`` span of
+  its own (operation ``judge``: model, scores, cache hit, the prompt's hash), which assembly does not
+  take as an LLM call. ``Trainer(judge=...)`` calls it for groups whose tries have no reward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import semconv
+from .diagnostics import count, report_failure
+from .errors import ConfigurationError
+from .records import Reward, RewardSource, Span
+
+OP_JUDGE = "judge"
+SCALE = (0, 0.25, 0.5, 0.75, 1)  # guided decoding: a score is one of these (a grammar cannot bound a float)
+DEFAULT_RUBRIC = ("Score each answer from 0 (wrong or useless) to 1 (fully correct and complete) for the task. "
+                  "Compare the answers with each other: a better answer gets a higher score.")
+
+
+class GroupJudge:
+    def __init__(self, *, base_url: str, model: str, rubric: str = DEFAULT_RUBRIC, api_key: str = "EMPTY",
+                 max_tokens: int = 256, timeout: float = 120.0, cache_path: str | Path | None = None,
+                 guided: bool = True) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ConfigurationError(f"the judge's base_url must be an http(s) URL of an OpenAI-compatible server "
+                                     f"(ending in /v1), got {base_url!r}")
+        if not isinstance(rubric, str) or not rubric.strip():
+            raise ConfigurationError("the judge needs a rubric (what a good answer is)")
+        self.base_url = base_url.rstrip("/")
+        self.model, self.rubric, self.api_key = model, rubric, api_key
+        self.max_tokens, self.timeout, self.guided = max_tokens, timeout, guided
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self._cache: dict[str, list[float]] = {}
+        if self.cache_path is not None and self.cache_path.is_file():
+            self._cache = json.loads(self.cache_path.read_text())
+        self.calls = 0  # requests sent to the judge's server
+
+    def prompt(self, task: Any, answers: Sequence[str]) -> list[dict[str, str]]:
+        task_text = task if isinstance(task, str) else json.dumps(task, ensure_ascii=False, default=str)
+        listed = "\n".join(f"Answer {i + 1}:\n{a}\n" for i, a in enumerate(answers))
+        return [{"role": "system", "content": self.rubric + f' Reply with JSON only: {{"scores": [...]}} with '
+                                                              f"{len(answers)} numbers between 0 and 1, in order."},
+                {"role": "user", "content": f"Task:\n{task_text}\n\n{listed}"}]
+
+    def _key(self, messages: list[dict[str, str]]) -> str:
+        return hashlib.sha256(json.dumps([self.model, messages], sort_keys=True).encode()).hexdigest()
+
+    def _parse(self, text: str, n: int) -> list[float]:
+        data = json.loads(text)
+        scores = data.get("scores") if isinstance(data, dict) else None
+        if not isinstance(scores, list) or len(scores) != n:
+            raise ValueError(f"expected {n} scores, got {scores!r}")
+        out = []
+        for s in scores:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 <= s <= 1:
+                raise ValueError(f"a score is not a number in 0..1: {s!r}")
+            out.append(float(s))
+        return out
+
+    def score(self, task: Any, answers: Sequence[str]) -> tuple[list[float] | None, dict[str, Any]]:
+        """Scores for ``answers`` (in order), or None when the judge failed; and what happened
+        (``cached``, ``prompt_sha256``, ``error``)."""
+        import httpx
+
+        messages = self.prompt(task, answers)
+        key = self._key(messages)
+        info: dict[str, Any] = {"prompt_sha256": key, "cached": False, "error": None}
+        if key in self._cache:
+            count("judge_cache_hits")
+            info["cached"] = True
+            return list(self._cache[key]), info
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": 0.0, "seed": 0,
+                                "max_tokens": self.max_tokens}
+        if self.guided:
+            n = len(answers)
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "scores", "schema": {
+                "type": "object", "required": ["scores"], "additionalProperties": False,
+                "properties": {"scores": {"type": "array", "minItems": n, "maxItems": n,
+                                          "items": {"enum": list(SCALE)}}}}}}
+        try:
+            self.calls += 1
+            response = httpx.post(f"{self.base_url}/chat/completions", json=body, timeout=self.timeout,
+                                  headers={"authorization": f"Bearer {self.api_key}"})
+            response.raise_for_status()
+            text = response.json()["choices"][0]["message"]["content"] or ""
+            scores = self._parse(text, len(answers))
+        except Exception as exc:
+            count("judge_failures")
+            report_failure("the LLM judge", exc)
+            info["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            return None, info
+        self._cache[key] = scores
+        if self.cache_path is not None:
+            self.cache_path.write_text(json.dumps(self._cache))
+        return scores, info
+
+    def reward_groups(self, store: Any, group_ids: Sequence[str]) -> dict[str, int]:
+        """Judge each group's succeeded tries that have no reward yet; write their rewards and judge spans.
+        Returns counts: groups judged, groups failed (left unrewarded), rollouts rewarded."""
+        done = {"judged_groups": 0, "judge_failed_groups": 0, "judge_rewarded_rollouts": 0}
+        for group_id in group_ids:
+            rows = store.rollout_page(group_id=group_id, status="succeeded", sort="rollout_id", descending=False,
+                                      limit=1000).rows
+            todo = [row.rollout for row in rows if row.reward is None]
+            if not todo:
+                continue
+            trajectories = [store.trajectory(r.rollout_id) for r in todo]
+            answers = [t.llm_calls[-1].response_text if t.llm_calls else "" for t in trajectories]
+            started = time.time_ns()
+            scores, info = self.score(todo[0].task, answers)
+            ended = time.time_ns()
+            for i, rollout in enumerate(todo):
+                attrs = {semconv.GEN_AI_OPERATION_NAME: OP_JUDGE, semconv.GEN_AI_REQUEST_MODEL: self.model,
+                         semconv.ROLLOUT_ID: rollout.rollout_id, "lightning_rl.judge.cached": info["cached"],
+                         "lightning_rl.judge.prompt_sha256": info["prompt_sha256"],
+                         "lightning_rl.judge.group_size": len(todo)}
+                if scores is not None:
+                    attrs["lightning_rl.judge.score"] = scores[i]
+                spans = store.spans(rollout.rollout_id)
+                root = next((s for s in spans if s.parent_id is None), None)
+                store.add_spans([Span(
+                    rollout_id=rollout.rollout_id, seq=max((s.seq for s in spans), default=-1) + 1,
+                    trace_id=root.trace_id if root else uuid.uuid4().hex, span_id=uuid.uuid4().hex[:16],
+                    parent_id=root.span_id if root else None, name=f"judge {self.model}", start_ns=started,
+                    end_ns=ended, status_code="ERROR" if scores is None else "OK",
+                    status_message=info["error"], attributes=attrs)])
+                if scores is not None:
+                    store.write_reward(Reward(rollout_id=rollout.rollout_id, value=scores[i],
+                                              source=RewardSource.FUNCTION))
+            store.flush()
+            if scores is None:
+                done["judge_failed_groups"] += 1
+            else:
+                done["judged_groups"] += 1
+                done["judge_rewarded_rollouts"] += len(todo)
+        return done
