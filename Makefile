@@ -9,7 +9,7 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer node-deps browser screenshots model test test-fast test-other-seed soak demo demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-peer node-deps browser screenshots model test test-fast test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
 all: venv venv-vllm model node-deps browser
 
@@ -89,6 +89,10 @@ soak: venv
 demo: all
 	$(PY) examples/calculator_rl/train.py --model-dir $(MODEL_DIR)
 
+# SFT on the base model's good traces, then GRPO, on the calculator task (issue 19).
+demo-sft: all
+	$(PY) examples/calculator_rl/sft_then_rl.py --model-dir $(MODEL_DIR)
+
 # The team demo: a planner and a solver, a LoRA policy each, one shared reward (DEMO_ARGS=--shared: one policy).
 demo-team: all
 	$(PY) examples/team_rl/train.py --model-dir $(MODEL_DIR) $(DEMO_ARGS)
@@ -117,6 +121,7 @@ bench: all venv-peer
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
 	$(PY) bench/bench_gateway.py --json-out .cache/bench-gateway.json
 	$(PY) bench/bench_viewer.py --json-out .cache/bench-viewer.json
+	$(PY) bench/bench_judge.py --json-out .cache/bench-judge.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache

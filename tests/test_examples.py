@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -105,3 +106,31 @@ def test_gateway_demo_trains_the_node_agent(tmp_path):
     assert score.step == 1 and score.value == pytest.approx(lines[1]["train_reward"])
     assert [e.step for e in events.Scalars("val/success")] == [0, 1]
     assert [e.step for e in events.Tensors("samples/text_summary")] == [1]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sft_then_rl_demo_runs_short(tmp_path):
+    """examples/calculator_rl/sft_then_rl.py, shortened: collect, export, SFT, one GRPO step."""
+    from .conftest import ensure_tiny_model
+
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "calculator_rl" / "sft_then_rl.py"), "--model-dir", str(ensure_tiny_model()),
+         "--steps", "1", "--n", "2", "--tasks-per-step", "2", "--eval-tasks", "4", "--collect-tasks", "16",
+         "--collect-n", "4", "--sft-epochs", "1", "--out", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    right = re.search(r"collected 64 tries of the base model, (\d+) right", result.stdout)
+    assert right, result.stdout[-2000:] + result.stderr[-2000:]
+    if right.group(1) == "0":  # a model that got nothing right: nothing to fine-tune on, said so (not a silent 0)
+        assert result.returncode != 0 and "matched no conversation" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["collected_tries"] == 64 and summary["sft_examples"] == summary["collected_right"] >= 1
+    for key in ("success_base", "success_after_sft", "success_after_grpo"):
+        assert 0.0 <= summary[key] <= 1.0
+    sft = json.loads((tmp_path / "demo" / "sft.json").read_text())
+    assert sft["sft_samples"] == summary["sft_examples"] and (tmp_path / "demo" / "sft_adapter").is_dir()
+    lines = [json.loads(x) for x in open(summary["metrics"]).read().splitlines()]
+    assert [x["policy_version"] for x in lines if "train_reward" in x] == [1]
