@@ -31,8 +31,7 @@ import lightning_rl as lrl  # noqa: E402
 from lightning_rl.store.export import chat_examples  # noqa: E402
 from lightning_rl.trainer_bridge.local import LocalConfig  # noqa: E402
 from lightning_rl.trainer_bridge.trainer import Trainer  # noqa: E402
-from lightning_rl.vllm_server import VLLMServer  # noqa: E402
-from train import add_training_arguments, fresh_run, make_agent, make_tasks, peak_rss_mb  # noqa: E402
+from train import add_training_arguments, demo_tasks, fresh_run, make_agent, peak_rss_mb, serve_with_lora  # noqa: E402
 
 
 async def _run_all(agent, tasks: list[dict], concurrency: int = 16) -> list[float]:
@@ -63,12 +62,9 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     out = fresh_run(args.out, args.model_dir)
-    held_out = make_tasks(args.eval_tasks, seed=10_000 + args.seed)
-    train_tasks = make_tasks(400, seed=args.seed, exclude={(t["a"], t["b"]) for t in held_out})
+    held_out, train_tasks = demo_tasks(args.eval_tasks, args.seed)
     with contextlib.ExitStack() as stack:
-        print(f"serving {args.model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
-        server = stack.enter_context(VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
-                                                log_path=out / "vllm.log"))
+        server = serve_with_lora(stack, args.model_dir, out)
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY")
         base = server.served_name

@@ -124,6 +124,19 @@ def add_run_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--out", default=str(ROOT / ".cache" / out))
 
 
+def demo_tasks(eval_tasks: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """The held-out sums and the 400 training sums (never a held-out one), as every calculator demo uses them."""
+    held_out = make_tasks(eval_tasks, seed=10_000 + seed)
+    return held_out, make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
+
+
+def serve_with_lora(stack: contextlib.ExitStack, model_dir: str | Path, out: Path) -> VLLMServer:
+    """vLLM serving the demo model with LoRA hot-loading, for the length of ``stack``."""
+    print(f"serving {model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
+    return stack.enter_context(VLLMServer(model=str(model_dir), enable_lora=True, max_lora_rank=16,
+                                          log_path=out / "vllm.log"))
+
+
 def fresh_run(out: str | Path, model_dir: str | Path) -> Path:
     """An empty output folder, and the demo model built (``make model``) if it is not there yet."""
     out = Path(out)
@@ -144,16 +157,12 @@ def main() -> None:
     started = time.time()
     out = fresh_run(args.out, args.model_dir)
 
-    held_out = make_tasks(args.eval_tasks, seed=10_000 + args.seed)
-    train_tasks = make_tasks(400, seed=args.seed, exclude={(t["a"], t["b"]) for t in held_out})
+    held_out, train_tasks = demo_tasks(args.eval_tasks, args.seed)
     with contextlib.ExitStack() as stack:
         if args.server_url:
             server_url = args.server_url.rstrip("/").removesuffix("/v1")
         else:
-            print(f"serving {args.model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
-            server = stack.enter_context(VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
-                                                    log_path=out / "vllm.log"))
-            server_url = server.url
+            server_url = serve_with_lora(stack, args.model_dir, out).url
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
         client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY")
         trainer = Trainer(

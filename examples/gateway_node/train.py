@@ -24,12 +24,11 @@ from pathlib import Path
 import lightning_rl as lrl
 from lightning_rl.trainer_bridge.local import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
-from lightning_rl.vllm_server import VLLMServer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from calculator_rl.train import add_training_arguments, fresh_run, make_tasks, peak_rss_mb  # noqa: E402
+from calculator_rl.train import add_training_arguments, demo_tasks, fresh_run, peak_rss_mb, serve_with_lora  # noqa: E402
 
 
 def node_agent(server_url: str, temperature: float):
@@ -45,12 +44,9 @@ def main() -> None:
         sys.exit("this demo needs Node.js and the openai npm package: run `make node-deps`")
     started = time.time()
     out = fresh_run(args.out, args.model_dir)
-    held_out = make_tasks(args.eval_tasks, seed=10_000 + args.seed)
-    train_tasks = make_tasks(400, seed=args.seed, exclude={(t["a"], t["b"]) for t in held_out})
+    held_out, train_tasks = demo_tasks(args.eval_tasks, args.seed)
     with contextlib.ExitStack() as stack:
-        print(f"serving {args.model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
-        server = stack.enter_context(VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
-                                                log_path=out / "vllm.log"))
+        server = serve_with_lora(stack, args.model_dir, out)
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
         trainer = Trainer(
             agent=node_agent(server.url, 1.0), tasks=train_tasks, store=store, model_dir=args.model_dir,
