@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import ConfigurationError, InvalidRewardError, UnknownNameError, check_reward
+from .errors import ConfigurationError, UnknownNameError, check_reward
 
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -84,15 +84,6 @@ def reward_helper(name: str) -> Callable[..., Score]:
                                "(or register one with @lightning_rl.rewards.register_reward_helper)") from None
 
 
-def _finite(value: Any, what: str) -> float:
-    try:
-        return check_reward(value, what=what)
-    except InvalidRewardError:
-        raise
-    except Exception as exc:  # pragma: no cover - check_reward raises only InvalidRewardError
-        raise InvalidRewardError(f"{what}: {exc}") from None
-
-
 def _text(value: Any) -> str:
     if value is None:
         return ""
@@ -111,9 +102,9 @@ def exact_match(answer: Any, expected: Any, *, normalize: bool = True) -> Score:
 
 @register_reward_helper("numeric_match")
 def numeric_match(answer: Any, expected: Any, *, abs_tol: float = 1e-6, rel_tol: float = 0.0) -> Score:
-    want = _finite(expected, "numeric_match's expected value")
+    want = check_reward(expected, what="numeric_match's expected value")
     for name, tol in (("abs_tol", abs_tol), ("rel_tol", rel_tol)):
-        if _finite(tol, f"numeric_match's {name}") < 0:
+        if check_reward(tol, what=f"numeric_match's {name}") < 0:
             raise ConfigurationError(f"numeric_match's {name} must be >= 0, got {tol!r}")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         got = float(answer)
@@ -191,7 +182,7 @@ def tool_use(tool_calls: Iterable[Any] | None, name: str, *, schema: Mapping[str
 def length_penalty(tokens_or_text: Any, target: int, *, scale: float = 1.0) -> Score:
     if isinstance(target, bool) or not isinstance(target, int) or target < 1:
         raise ConfigurationError(f"length_penalty's target must be an int >= 1 (tokens or characters), got {target!r}")
-    scale = _finite(scale, "length_penalty's scale")
+    scale = check_reward(scale, what="length_penalty's scale")
     n = len(tokens_or_text) if not isinstance(tokens_or_text, int) else tokens_or_text
     over = max(0, n - target) / target
     return Score(-scale * min(1.0, over), "length_penalty")
@@ -215,7 +206,7 @@ def weighted(*scores: Score, weights: Mapping[str, float] | None = None, name: s
     if unknown:
         raise ConfigurationError(f"weights for scores not given: {', '.join(sorted(unknown))}; scores: "
                                  f"{', '.join(s.name for s in scores)}")
-    total = sum(_finite(weights.get(s.name, 1.0), f"the weight of {s.name!r}") * float(s) for s in scores)
+    total = sum(check_reward(weights.get(s.name, 1.0), what=f"the weight of {s.name!r}") * float(s) for s in scores)
     return Score(total, name, parts)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,7 +164,6 @@ class MLflowLogger:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
-        import time
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k.replace("@", "_at_"), v, now, step)

@@ -180,7 +180,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
         params = dict(request.query_params)
         try:
             query, page, per_page = _query(params)
-        except (ValueError, Exception) as exc:  # pydantic's ValidationError is a ValueError
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
             return HTMLResponse(pages.page("Bad query", f"<h1>Bad query</h1><p class='err'>{pages.e(exc)}</p>"), 400)
         started = time.perf_counter()
         result = store.rollout_page(query)
