@@ -203,11 +203,14 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
 @click.option("--epochs", type=int, default=2, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED",
+              help="A team: each agent's policy, as in Trainer(policies=...); one adapter per policy. Repeat.")
 @_errors
-def sft(data: str, model_dir: str, out: str, epochs: int, lr: float, seed: int) -> None:
+def sft(data: str, model_dir: str, out: str, epochs: int, lr: float, seed: int, policies: tuple[str, ...]) -> None:
     """Warm-start a LoRA from good traces (supervised), with the RL trainer's PEFT setup.
 
-    Then train with Trainer(init_adapter=OUT/sft_adapter), or serve the adapter.
+    Then train with Trainer(init_adapter=OUT/sft_adapter), or serve the adapter. With --policy (a team),
+    each policy's adapter learns from its agents' examples, in OUT/sft_adapter/SERVED/.
 
     Example: lightning-rl export --format chat --min-reward 1 --best-of-group -o good.jsonl && lightning-rl sft --data good.jsonl --model-dir base/ --out .cache/sft
     """
@@ -216,7 +219,8 @@ def sft(data: str, model_dir: str, out: str, epochs: int, lr: float, seed: int) 
     from .trainer_bridge.sft import warm_start
 
     Path(out).mkdir(parents=True, exist_ok=True)
-    stats, path = warm_start(data, model_dir, out, seed=seed, epochs=epochs, lr=lr)
+    stats, path = warm_start(data, model_dir, out, seed=seed, epochs=epochs, lr=lr,
+                             policies=_policy_map(policies) or None)
     click.echo(json.dumps(stats))
     click.echo(f"adapter written to {path}; train from it with Trainer(init_adapter={str(path)!r})", err=True)
 
@@ -341,6 +345,19 @@ def train(backend, continuous, agent, print_command, store, model_dir, server_ur
     trainer.run(interval=interval, max_updates=max_updates)
 
 
+def _policy_map(policies: tuple[str, ...]) -> dict[str, str]:
+    """``--policy AGENT=SERVED`` options as Trainer's policies= mapping."""
+    from .errors import ConfigurationError
+
+    team = {}
+    for item in policies:
+        name, sep, served = item.partition("=")
+        if not sep or not name or not served:
+            raise ConfigurationError(f"--policy {item!r} is not AGENT=SERVED (e.g. --policy planner=planner-lora)")
+        team[name] = served
+    return team
+
+
 def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: str, lr: float, temperature: float,
             seed: int,
             steps: int | None, tasks_per_step: int | None, max_staleness: int, credit: str, level: str,
@@ -355,12 +372,7 @@ def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: 
 
     if not model_dir:
         raise ConfigurationError("--replay needs --model-dir, the base model the run trained (its LoRA starts anew)")
-    team = {}
-    for item in policies:
-        name, sep, served = item.partition("=")
-        if not sep or not name or not served:
-            raise ConfigurationError(f"--policy {item!r} is not AGENT=SERVED (e.g. --policy planner=planner-lora)")
-        team[name] = served
+    team = _policy_map(policies)
     source_store = _open(replay_store)
     if not team and served_name == "policy":  # the default: take the run's one served name
         names = sorted({p.served_name for p in source_store.policies()})

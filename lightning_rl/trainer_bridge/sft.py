@@ -6,17 +6,26 @@ examples (``{"messages": [...], "tools": [...]}``) rendered with the model's own
 conversation trains its last message, which must be the assistant's: the prompt is the template of
 the messages before it (with the generation prompt), the response the tokens the full conversation
 adds; a template whose prompt is not a token prefix of the whole is refused, naming the example.
+
+Teams (``policies={"planner": "planner-lora", ...}``, as ``Trainer`` takes them): each example goes to
+the policy of its ``agent`` (the export writes it), and each policy's adapter is trained on its own
+examples, saved as ``sft_adapter/<served name>/``. Examples of agents without a policy are skipped and
+counted (``sft_skipped_no_policy``); a policy no example reaches keeps the fresh LoRA and is named in
+``sft_policies_without_data``; data that reaches no policy at all is refused.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
 from ..records import Sample
+
+log = logging.getLogger(__name__)
 
 
 def _lines(data: str | Path | Iterable[Any]) -> list[Any]:
@@ -73,17 +82,51 @@ def sft_samples(data: str | Path | Iterable[Any], model_dir: str | Path) -> list
     return samples
 
 
+def split_by_policy(samples: list[Sample], policies: Mapping[str, str]) -> tuple[dict[str, list[Sample]], int]:
+    """Each sample under its agent's served policy; and how many had no agent with a policy."""
+    out: dict[str, list[Sample]] = {served: [] for served in dict.fromkeys(policies.values())}
+    skipped = 0
+    for sample in samples:
+        served = policies.get(sample.agent_name) if sample.agent_name is not None else None
+        if served is None:
+            skipped += 1
+        else:
+            out[served].append(sample)
+    if not any(out.values()):
+        agents = sorted({str(s.agent_name) for s in samples})
+        raise ConfigurationError(f"no SFT example belongs to an agent with a policy: the data's agents are {agents}, "
+                                 f"the policies' are {sorted(policies)}; export the team's rollouts (their examples "
+                                 "carry 'agent'), or fix the names in policies=")
+    return out, skipped
+
+
 def warm_start(data: Any, model_dir: str | Path, out_dir: str | Path, *, local: Any = None, seed: int = 0,
-               epochs: int = 2, lr: float | None = None) -> tuple[dict[str, float], Path]:
+               epochs: int = 2, lr: float | None = None,
+               policies: Mapping[str, str] | None = None) -> tuple[dict[str, Any], Path]:
     """SFT a fresh LoRA (``LocalBackend.sft``) on ``data``; saves it as ``out_dir/sft_adapter`` and its
-    losses as ``out_dir/sft.json``. Returns both."""
+    losses as ``out_dir/sft.json``. Returns both. With ``policies`` (a team), one adapter per served
+    policy, each trained on its agents' examples, in ``sft_adapter/<served name>/``; the stats are per
+    policy (``policies``) with the skip counts beside them."""
     from .local import LocalBackend, LocalConfig
 
     samples = sft_samples(data, model_dir)
-    backend = LocalBackend(model_dir, local or LocalConfig(), seed=seed)
-    stats = backend.sft(samples, epochs=epochs, lr=lr)
     out_dir = Path(out_dir)
     path = out_dir / "sft_adapter"
-    backend.adapter().save_pretrained(path)
+    if policies is None:
+        backend = LocalBackend(model_dir, local or LocalConfig(), seed=seed)
+        stats: dict[str, Any] = backend.sft(samples, epochs=epochs, lr=lr)
+        backend.adapter().save_pretrained(path)
+    else:
+        routed, skipped = split_by_policy(samples, policies)
+        backend = LocalBackend(model_dir, local or LocalConfig(), seed=seed, policies=list(routed))
+        stats = {"policies": {}, "sft_skipped_no_policy": skipped,
+                 "sft_policies_without_data": [name for name, mine in routed.items() if not mine]}
+        for name, mine in routed.items():
+            if mine:
+                stats["policies"][name] = backend.sft(mine, epochs=epochs, lr=lr, policy=name)
+                backend.adapter(name).save_pretrained(path / name)
+        if skipped or stats["sft_policies_without_data"]:
+            log.warning("team SFT: %d example(s) of agents without a policy skipped; policies without data (they "
+                        "start from a fresh LoRA): %s", skipped, stats["sft_policies_without_data"] or "none")
     (out_dir / "sft.json").write_text(json.dumps({**stats, "adapter": str(path)}, indent=1))
     return stats, path

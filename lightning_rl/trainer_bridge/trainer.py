@@ -95,7 +95,7 @@ class Trainer:
     source: SampleSource | None = None  # None: the task set, run live (sources.LiveGroups)
     loggers: Sequence[Any] = ()  # experiment trackers beside metrics.jsonl: "tensorboard", "mlflow", "wandb" (loggers.py)
     run_name: str | None = None  # the trackers' run name (default: the out_dir's name)
-    init_adapter: str | Path | None = None  # start from this LoRA adapter folder (Trainer.sft sets it)
+    init_adapter: str | Path | Mapping[str, str | Path] | None = None  # start from this LoRA (Trainer.sft sets it)
     judge: Any = None  # a GroupJudge: rewards the tries a task set leaves unrewarded (lightning_rl.judge)
 
     def __post_init__(self) -> None:
@@ -295,25 +295,47 @@ class Trainer:
             return make_publisher("adapter_dir", adapter_dir=folder, served_name=name)
         return make_publisher("vllm_lora", server_url=self.server_url, served_name=name, adapter_dir=folder)
 
-    def sft(self, data: Any, *, epochs: int = 2, lr: float | None = None) -> dict[str, float]:
+    def sft(self, data: Any, *, epochs: int = 2, lr: float | None = None) -> dict[str, Any]:
         """Warm-start the LoRA by supervised fine-tuning on ``data`` (what ``lightning-rl export --format
         chat`` or ``--format tokens`` writes: a path or its lines; ``sft.sft_samples``), with the same PEFT
         setup ``fit`` uses; ``fit`` then starts from it (``init_adapter``; version 0 is the SFT policy).
-        Returns the SFT's losses and counts, also written to ``out_dir/sft.json``."""
+        With ``policies=`` (a team) each policy is warm-started on its own agents' examples
+        (``sft.warm_start``). Returns the SFT's losses and counts, also written to ``out_dir/sft.json``."""
         from .sft import warm_start
 
-        if self.policies is not None:
-            raise ConfigurationError("Trainer.sft warm-starts one policy; with policies= (a team), run it per "
-                                     "policy with its own Trainer, or train the team from the base model")
         stats, self.init_adapter = warm_start(data, self.model_dir, self.out_dir, local=self.local, seed=self.seed,
-                                              epochs=epochs, lr=lr)
+                                              epochs=epochs, lr=lr, policies=self.policies)
         return stats
+
+    def _init_adapters(self) -> dict[str | None, Path]:
+        """``init_adapter`` as policy -> adapter folder. One policy: the folder. A team: a mapping of served
+        names to folders, or a folder with one adapter folder per served name (what ``sft`` writes;
+        policies without one start from a fresh LoRA)."""
+        if self.init_adapter is None:
+            return {}
+        if self.policies is None:
+            if isinstance(self.init_adapter, Mapping):
+                raise ConfigurationError("init_adapter maps policies to adapters, which is for a team (policies=); "
+                                         "for one policy give the adapter folder")
+            return {None: Path(self.init_adapter)}
+        if isinstance(self.init_adapter, Mapping):
+            unknown = sorted(set(self.init_adapter) - set(self._served))
+            if unknown:
+                raise ConfigurationError(f"init_adapter names policies this trainer does not train: {unknown}; its "
+                                         f"served names are {self._served}")
+            return {name: Path(folder) for name, folder in self.init_adapter.items()}
+        folder = Path(self.init_adapter)
+        found = {name: folder / name for name in self._served if (folder / name / "adapter_config.json").is_file()}
+        if not found:
+            raise ConfigurationError(f"init_adapter {str(folder)!r} holds no adapter folder named after a policy "
+                                     f"({self._served}); a team's SFT writes sft_adapter/<served name>/")
+        return found
 
     def fit(self) -> TrainResult:
         team = self.policies is not None
         backend = LocalBackend(self.model_dir, self.local, seed=self.seed, policies=self._served if team else None)
-        if self.init_adapter is not None:
-            load_adapter(backend, self.init_adapter)
+        for name, folder in self._init_adapters().items():
+            load_adapter(backend, folder, policy=name)
         publishers = {name: self._publisher(name, self.out_dir / "adapters", team) for name in self._served}
 
         def weights(name: str) -> Any:

@@ -84,3 +84,86 @@ def test_the_sft_command_writes_an_adapter_from_exported_chat(tmp_path):
     assert (tmp_path / "sft" / "sft_adapter" / "adapter_config.json").is_file()
     (line,) = [x[x.index('{"sft'):] for x in result.output.splitlines() if '{"sft' in x]  # after progress bars
     assert json.loads(line)["sft_samples"] == 4
+
+
+def _team_examples() -> list[dict]:
+    out = []
+    for i in range(8):
+        a, b = 3 + i, 11 + 2 * i
+        ask = [{"role": "user", "content": f"What is {a}+{b}?"}]
+        out.append({"messages": ask + [{"role": "assistant", "content": "Plan: add the two numbers, then check."}],
+                    "agent": "planner", "rollout_id": f"r{i}"})
+        out.append({"messages": ask + [{"role": "assistant", "content": f"Answer: {a + b}"}],
+                    "agent": "solver", "rollout_id": f"r{i}"})
+    out.append({"messages": [{"role": "user", "content": "Rate it."}, {"role": "assistant", "content": "Fine."}],
+                "agent": "critic", "rollout_id": "r0"})  # an agent the team does not train
+    return out
+
+
+def test_team_sft_trains_each_policy_on_its_own_agents_examples(tmp_path):
+    model = ensure_tiny_model()
+    team = {"planner": "planner-lora", "solver": "solver-lora"}
+    trainer = Trainer(agent=lambda task: 0.0, tasks=[1], store=None, model_dir=model, server_url="http://127.0.0.1:9",
+                      out_dir=tmp_path / "run", policies=team,
+                      local=LocalConfig(lr=5e-3, mini_batch_size=4, micro_batch_size=4))
+    stats = trainer.sft(_team_examples(), epochs=3)
+    assert stats["sft_skipped_no_policy"] == 1 and stats["sft_policies_without_data"] == []
+    assert {name: s["sft_samples"] for name, s in stats["policies"].items()} == {"planner-lora": 8, "solver-lora": 8}
+    for name in team.values():
+        assert stats["policies"][name]["sft_loss_last_epoch"] < stats["policies"][name]["sft_loss_first_epoch"]
+
+    # what fit() does first: each policy's adapter from sft_adapter/<served name>/
+    folders = trainer._init_adapters()
+    assert folders == {name: tmp_path / "run" / "sft_adapter" / name for name in team.values()}
+    backend = LocalBackend(model, LocalConfig(), policies=list(team.values()))
+    samples = sft_samples(_team_examples()[:-1], model)
+    mine = {agent: [s for s in samples if s.agent_name == agent] for agent in team}
+
+    def fit(policy: str, agent: str) -> float:
+        backend._use(policy)
+        return _mean_logprob(backend, mine[agent])
+
+    fresh = {agent: fit("planner-lora", agent) for agent in team}
+    for policy in team.values():
+        load_adapter(backend, folders[policy], policy=policy)
+    after = {(policy, agent): fit(policy, agent) for policy in team.values() for agent in team}
+    for agent, policy in team.items():
+        assert after[policy, agent] > fresh[agent] + 0.05, (after, fresh)  # each policy learned its agent's answers
+        other = next(p for p in team.values() if p != policy)
+        assert after[policy, agent] > after[other, agent] + 0.75, after  # far more than the other policy did
+
+
+def test_team_sft_refuses_data_that_reaches_no_policy_and_a_one_policy_mapping(tmp_path):
+    model = ensure_tiny_model()
+    trainer = Trainer(agent=lambda task: 0.0, tasks=[1], store=None, model_dir=model, server_url="http://127.0.0.1:9",
+                      out_dir=tmp_path / "run", policies={"planner": "p", "solver": "s"})
+    with pytest.raises(ConfigurationError, match=r"data's agents are \['None'\].*policies' are \['planner', 'solver'\]"):
+        trainer.sft(_examples(2))  # examples without an agent
+    trainer.init_adapter = tmp_path
+    with pytest.raises(ConfigurationError, match="holds no adapter folder named after a policy"):
+        trainer._init_adapters()
+    trainer.init_adapter = {"q": tmp_path}
+    with pytest.raises(ConfigurationError, match=r"does not train: \['q'\]"):
+        trainer._init_adapters()
+    single = Trainer(agent=lambda task: 0.0, tasks=[1], store=None, model_dir=model, server_url="http://127.0.0.1:9",
+                     out_dir=tmp_path / "one", init_adapter={"p": tmp_path})
+    with pytest.raises(ConfigurationError, match="which is for a team"):
+        single._init_adapters()
+
+
+def test_the_sft_command_takes_a_team(tmp_path):
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+
+    data = tmp_path / "team.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in _team_examples()[:4]))
+    result = CliRunner().invoke(main, ["sft", "--data", str(data), "--model-dir", str(ensure_tiny_model()),
+                                       "--out", str(tmp_path / "sft"), "--epochs", "1", "--policy", "planner=p",
+                                       "--policy", "solver=s", "--policy", "judge=j"])
+    assert result.exit_code == 0, result.output
+    for name in ("p", "s"):
+        assert (tmp_path / "sft" / "sft_adapter" / name / "adapter_config.json").is_file()
+    assert not (tmp_path / "sft" / "sft_adapter" / "j").exists()
+    (line,) = [x[x.index('{"policies'):] for x in result.output.splitlines() if '{"policies' in x]
+    assert json.loads(line)["sft_policies_without_data"] == ["j"]
