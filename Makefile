@@ -16,7 +16,7 @@ all: venv venv-vllm model node-deps browser
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local,server,trackers,rewards]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local,server,trackers,rewards,data]'
 	touch $@
 venv: $(VENV)/.stamp
 

@@ -149,7 +149,8 @@ def rollouts_show(rollout_id: str, store: str | None, credit: str, as_json: bool
 @click.option("--min-reward", type=float, default=None, help="chat: only rollouts rewarded at least this.")
 @click.option("--max-reward", type=float, default=None, help="chat: only rollouts rewarded at most this.")
 @click.option("--best-of-group", is_flag=True, help="chat: the best-rewarded try of each group (rejection sampling).")
-@click.option("-o", "--out", type=click.File("w"), default="-", help="Output file (default stdout).")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, allow_dash=True), default="-",
+              help="Output file (default stdout); tokens ending in .parquet are written as Parquet.")
 @_errors
 def export(store, fmt, level, credit, agents, mode, min_policy_version, include_unrewarded, min_reward, max_reward,
            best_of_group, out) -> None:
@@ -158,19 +159,26 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
     Example: lightning-rl export --format tokens --level trajectory --credit final -o samples.jsonl
 
     Example: lightning-rl export --format chat --min-reward 1 --best-of-group -o sft.jsonl
+
+    Example: lightning-rl export --format tokens --min-policy-version 3 -o samples.parquet
     """
     import json as _json
 
     from .errors import ConfigurationError
 
+    parquet = out.lower().endswith(".parquet")
+    if parquet and fmt == "chat":
+        raise ConfigurationError(f"-o {out!r}: conversations are written as JSON lines (their tool calls have no "
+                                 "one table shape); name the file .jsonl, or export --format tokens as Parquet")
     if fmt == "chat":
         from .store.export import chat_examples
 
         with _open(store) as s:
             examples, stats = chat_examples(s, mode=mode, agents=agents, min_reward=min_reward, max_reward=max_reward,
                                             min_policy_version=min_policy_version, best_of_group=best_of_group)
-        for example in examples:
-            out.write(_json.dumps(example, ensure_ascii=False) + "\n")
+        with click.open_file(out, "w") as f:
+            for example in examples:
+                f.write(_json.dumps(example, ensure_ascii=False) + "\n")
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(stats.skipped.items()))
         click.echo(f"exported {stats.examples} conversations from {stats.rollouts_read} succeeded rollouts"
                    + (f" (skipped: {skipped})" if skipped else ""), err=True)
@@ -187,8 +195,14 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
             f"the export matched no sample ({stats.splits} prefix splits, {stats.missing_token_ids} calls without "
             f"token ids, {stats.skipped_unrewarded} unrewarded skipped); loosen --mode, --agents or "
             "--min-policy-version, or add --include-unrewarded")
-    for sample in samples:
-        out.write(sample.model_dump_json() + "\n")
+    if parquet:
+        from .store.parquet import write_samples
+
+        write_samples(samples, out)
+    else:
+        with click.open_file(out, "w") as f:
+            for sample in samples:
+                f.write(sample.model_dump_json() + "\n")
     click.echo(
         f"exported {stats.samples} samples ({stats.splits} prefix splits, {stats.missing_token_ids} calls "
         f"without token ids, {stats.skipped_unrewarded} unrewarded skipped)", err=True,

@@ -64,6 +64,31 @@ def test_export_jsonl_samples(db, tmp_path):
     assert "exported 1 samples" in result.output  # summary on stderr (mixed in by CliRunner)
 
 
+def test_export_tokens_as_parquet_round_trips_the_jsonl_samples(db, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from lightning_rl.store.parquet import read_samples
+    from lightning_rl.trainer_bridge.sft import sft_samples
+
+    for level in ("call", "trajectory"):
+        jsonl, parquet = tmp_path / f"{level}.jsonl", tmp_path / f"{level}.parquet"
+        assert run("export", "--store", db, "--level", level, "-o", str(jsonl)).exit_code == 0
+        result = run("export", "--store", db, "--level", level, "-o", str(parquet))
+        assert result.exit_code == 0, result.output
+        want = [lrl.Sample.model_validate_json(line) for line in jsonl.read_text().splitlines()]
+        assert read_samples(parquet) == want and len(want) >= 1
+        assert sft_samples(parquet, model_dir="unused") == want  # token samples need no tokenizer
+    table = pq.read_table(parquet)  # what pandas, datasets or polars read: typed columns, one row per sample
+    assert table.num_rows == 1 and table.schema.field("response_ids").type.value_type == "int32"
+    assert table.column("response_mask").to_pylist() == [[1, 1, 0, 1]]
+
+    result = run("export", "--store", db, "--format", "chat", "-o", str(tmp_path / "chat.parquet"))
+    assert result.exit_code == 1 and "conversations are written as JSON lines" in result.output
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(lrl.ConfigurationError, match="is not a Parquet file of samples"):
+        read_samples(bad)
+
+
 def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
     for args in (["rollouts", "show", "nope", "--store", db],
                  ["export", "--store", db, "--credit", "bogus"],

@@ -1,7 +1,7 @@
 """Supervised warm-start data: exported conversations or token samples, as training samples.
 
-``sft_samples(data, model_dir)`` takes what ``lightning-rl export`` writes (a JSONL path, or its lines
-as dicts or ``Sample`` objects): token samples as they are (the engine's ids and masks), and chat
+``sft_samples(data, model_dir)`` takes what ``lightning-rl export`` writes (a JSONL path, a Parquet file
+of token samples, or the lines as dicts or ``Sample`` objects): token samples as they are (the engine's ids and masks), and chat
 examples (``{"messages": [...], "tools": [...]}``) rendered with the model's own chat template. A
 conversation trains its last message, which must be the assistant's: the prompt is the template of
 the messages before it (with the generation prompt), the response the tokens the full conversation
@@ -34,6 +34,10 @@ def _lines(data: str | Path | Iterable[Any]) -> list[Any]:
         if not path.is_file():
             raise ConfigurationError(f"SFT data {str(path)!r} is not a file; export one with lightning-rl export "
                                      "--format chat (or --format tokens)")
+        if path.suffix.lower() == ".parquet":
+            from ..store.parquet import read_samples
+
+            return list(read_samples(path))
         out = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
