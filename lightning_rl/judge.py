@@ -6,6 +6,15 @@ model, another vLLM model, a hosted API). ``judge.score(task, answers)`` asks it
 answer is constrained by a JSON schema (``response_format`` ``json_schema``, which vLLM enforces): n
 scores, each one of 0, 0.25, 0.5, 0.75, 1, since a grammar can bound a list but not a float's value.
 
+* **Hosted APIs.** The request is plain OpenAI chat completions: ``max_completion_tokens`` (what
+  OpenAI's newer models require and vLLM reads), a ``strict`` JSON schema (OpenAI's structured outputs
+  accept this one), the key from ``api_key`` or ``OPENAI_API_KEY``. Rate limits and server errors (408,
+  409, 429, 5xx, a dropped connection, a timeout) are retried ``retries`` times, after the server's
+  ``Retry-After`` (at most 60 s) or 0.5, 1, 2 s; other errors (a wrong key, an unsupported parameter)
+  fail at once with the server's message. ``temperature=None`` omits it (reasoning models accept only
+  their default). For a provider without JSON-schema outputs use ``guided=False``: the scores object is
+  then read from the first JSON object in the reply that has ``scores``, so a fenced or explained
+  answer still parses, and anything else is a failure.
 * **Never a silent 0.** An answer that is not valid JSON, the wrong count, or a number outside 0..1,
   or a call that fails: ``score`` returns ``None`` for the whole group (the rollouts stay unrewarded),
   counts ``judge_failures`` and logs the cause once.
@@ -22,7 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -34,24 +45,73 @@ from .diagnostics import count, report_failure
 from .errors import ConfigurationError
 from .records import Reward, RewardSource, Span
 
+log = logging.getLogger(__name__)
+
 OP_JUDGE = "judge"
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # a rate limit or a busy server: worth another try
 SCALE = (0, 0.25, 0.5, 0.75, 1)  # guided decoding: a score is one of these (a grammar cannot bound a float)
 DEFAULT_RUBRIC = ("Score each answer from 0 (wrong or useless) to 1 (fully correct and complete) for the task. "
                   "Compare the answers with each other: a better answer gets a higher score.")
 
 
+class JudgeHTTPError(RuntimeError):
+    """The judge's server refused the request (after retries, where the status was worth one)."""
+
+
+def _retry_after(header: str | None, default: float) -> float:
+    """Seconds to wait: the server's ``Retry-After`` in seconds (capped at 60), else ``default``."""
+    try:
+        value = float(header) if header is not None else default
+    except ValueError:  # an HTTP date: rare from APIs; the backoff will do
+        return default
+    return min(max(value, 0.0), 60.0) if math.isfinite(value) else default
+
+
+def _scores_object(text: str) -> Any:
+    """The reply as JSON; failing that, the first JSON object in it that has ``scores`` (a model without
+    guided decoding may fence its JSON or explain it). Raises the JSON error when there is none."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as first:
+        decoder = json.JSONDecoder()
+        start = text.find("{")
+        while start != -1:
+            try:
+                data, _ = decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                data = None
+            if isinstance(data, dict) and "scores" in data:
+                return data
+            start = text.find("{", start + 1)
+        raise first
+
+
+def response_format(n: int) -> dict[str, Any]:
+    """The guided answer: ``{"scores": [...]}``, exactly n scores from ``SCALE`` (OpenAI's strict JSON schema
+    subset, which vLLM also enforces)."""
+    return {"type": "json_schema", "json_schema": {"name": "scores", "strict": True, "schema": {
+        "type": "object", "required": ["scores"], "additionalProperties": False,
+        "properties": {"scores": {"type": "array", "minItems": n, "maxItems": n,
+                                  "items": {"type": "number", "enum": list(SCALE)}}}}}}
+
+
 class GroupJudge:
-    def __init__(self, *, base_url: str, model: str, rubric: str = DEFAULT_RUBRIC, api_key: str = "EMPTY",
+    def __init__(self, *, base_url: str, model: str, rubric: str = DEFAULT_RUBRIC, api_key: str | None = None,
                  max_tokens: int = 256, timeout: float = 120.0, cache_path: str | Path | None = None,
-                 guided: bool = True) -> None:
+                 guided: bool = True, retries: int = 3, temperature: float | None = 0.0) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ConfigurationError(f"the judge's base_url must be an http(s) URL of an OpenAI-compatible server "
                                      f"(ending in /v1), got {base_url!r}")
         if not isinstance(rubric, str) or not rubric.strip():
             raise ConfigurationError("the judge needs a rubric (what a good answer is)")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigurationError(f"the judge's retries must be an int >= 0 (tries after a rate limit or a server "
+                                     f"error), got {retries!r}")
         self.base_url = base_url.rstrip("/")
-        self.model, self.rubric, self.api_key = model, rubric, api_key
+        self.model, self.rubric = model, rubric
+        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "EMPTY")
         self.max_tokens, self.timeout, self.guided = max_tokens, timeout, guided
+        self.retries, self.temperature = retries, temperature
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self._cache: dict[str, list[float]] = {}
         if self.cache_path is not None and self.cache_path.is_file():
@@ -69,7 +129,7 @@ class GroupJudge:
         return hashlib.sha256(json.dumps([self.model, messages], sort_keys=True).encode()).hexdigest()
 
     def _parse(self, text: str, n: int) -> list[float]:
-        data = json.loads(text)
+        data = _scores_object(text)
         scores = data.get("scores") if isinstance(data, dict) else None
         if not isinstance(scores, list) or len(scores) != n:
             raise ValueError(f"expected {n} scores, got {scores!r}")
@@ -83,8 +143,6 @@ class GroupJudge:
     def score(self, task: Any, answers: Sequence[str]) -> tuple[list[float] | None, dict[str, Any]]:
         """Scores for ``answers`` (in order), or None when the judge failed; and what happened
         (``cached``, ``prompt_sha256``, ``error``)."""
-        import httpx
-
         messages = self.prompt(task, answers)
         key = self._key(messages)
         info: dict[str, Any] = {"prompt_sha256": key, "cached": False, "error": None}
@@ -92,20 +150,14 @@ class GroupJudge:
             count("judge_cache_hits")
             info["cached"] = True
             return list(self._cache[key]), info
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": 0.0, "seed": 0,
-                                "max_tokens": self.max_tokens}
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "seed": 0,
+                                "max_completion_tokens": self.max_tokens}
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         if self.guided:
-            n = len(answers)
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "scores", "schema": {
-                "type": "object", "required": ["scores"], "additionalProperties": False,
-                "properties": {"scores": {"type": "array", "minItems": n, "maxItems": n,
-                                          "items": {"enum": list(SCALE)}}}}}}
+            body["response_format"] = response_format(len(answers))
         try:
-            self.calls += 1
-            response = httpx.post(f"{self.base_url}/chat/completions", json=body, timeout=self.timeout,
-                                  headers={"authorization": f"Bearer {self.api_key}"})
-            response.raise_for_status()
-            text = response.json()["choices"][0]["message"]["content"] or ""
+            text = self._request(body)
             scores = self._parse(text, len(answers))
         except Exception as exc:
             count("judge_failures")
@@ -116,6 +168,33 @@ class GroupJudge:
         if self.cache_path is not None:
             self.cache_path.write_text(json.dumps(self._cache))
         return scores, info
+
+    def _request(self, body: dict[str, Any]) -> str:
+        """The reply's text; retries what a rate limit or a busy server answers (module doc)."""
+        import httpx
+
+        for attempt in range(self.retries + 1):
+            self.calls += 1
+            wait = min(0.5 * 2 ** attempt, 8.0)
+            try:
+                response = httpx.post(f"{self.base_url}/chat/completions", json=body, timeout=self.timeout,
+                                      headers={"authorization": f"Bearer {self.api_key}"})
+            except (httpx.TimeoutException, httpx.NetworkError) as exc:
+                if attempt == self.retries:
+                    raise
+                log.warning("the judge's request failed (%s); retry %d of %d in %.1f s", exc, attempt + 1,
+                            self.retries, wait)
+            else:
+                if response.status_code < 300:
+                    return response.json()["choices"][0]["message"]["content"] or ""
+                if response.status_code not in RETRY_STATUS or attempt == self.retries:
+                    raise JudgeHTTPError(f"the judge's server answered {response.status_code}: {response.text[:300]}")
+                wait = _retry_after(response.headers.get("retry-after"), wait)
+                log.warning("the judge's server answered %d; retry %d of %d in %.1f s", response.status_code,
+                            attempt + 1, self.retries, wait)
+            count("judge_retries")
+            time.sleep(wait)
+        raise AssertionError("unreachable")
 
     def reward_groups(self, store: Any, group_ids: Sequence[str]) -> dict[str, int]:
         """Judge each group's succeeded tries that have no reward yet; write their rewards and judge spans.

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from lightning_rl import diagnostics
-from lightning_rl.judge import SCALE, GroupJudge
+from lightning_rl.errors import ConfigurationError
+from lightning_rl.judge import SCALE, GroupJudge, response_format
 from lightning_rl.records import Rollout, RolloutStatus
 from lightning_rl.store.sqlite_store import SQLiteStore
 
@@ -104,3 +105,115 @@ def test_trainer_trains_on_the_judges_rewards_where_the_task_set_has_none(vllm_u
     scored = sorted(r.value for rid in [e.rollout_id for e in store.queue_entries()] for r in store.rewards(rid))
     assert line["train_reward"] == pytest.approx(sum(scored) / 3)
     store.close()
+
+
+class HostedLike:
+    """A front for the vLLM server that answers as hosted APIs do: a bearer key checked (401), a rate
+    limit first (429 with Retry-After), OpenAI's refusal of ``max_tokens`` on newer models (400), and,
+    when asked, the model's JSON fenced in prose, as a chat model without structured outputs writes it
+    (the front has vLLM keep to the score schema, so what is inside the fence is deterministic). The
+    scores themselves come from vLLM."""
+
+    def __init__(self, upstream: str, *, key: str = "sk-test", limit_first: int = 1, fence: bool = False) -> None:
+        import http.server
+        import json
+        import threading
+
+        import httpx
+
+        front = self
+        self.bodies: list[dict] = []
+        self.statuses: list[int] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, payload: dict, headers: dict | None = None) -> None:
+                front.statuses.append(status)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                for k, v in {"content-type": "application/json", **(headers or {})}.items():
+                    self.send_header(k, v)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                front.bodies.append(body)
+                if self.headers.get("authorization") != f"Bearer {key}":
+                    return self._answer(401, {"error": {"message": "Incorrect API key provided"}})
+                if "max_tokens" in body:
+                    return self._answer(400, {"error": {"message": "Unsupported parameter: 'max_tokens' is not "
+                                                                   "supported with this model. Use "
+                                                                   "'max_completion_tokens' instead."}})
+                if len(front.bodies) <= limit_first:
+                    return self._answer(429, {"error": {"message": "Rate limit reached"}}, {"retry-after": "1"})
+                if fence:
+                    body = {**body, "response_format": response_format(len(ANSWERS))}
+                reply = httpx.post(f"{upstream}/chat/completions", json=body, timeout=120).json()
+                if fence:
+                    message = reply["choices"][0]["message"]
+                    message["content"] = f"Here are my scores:\n```json\n{message['content']}\n```\nHope that helps."
+                self._answer(200, reply)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+TASK, ANSWERS = {"question": "What is 2+2?"}, ["4", "5", "22"]
+
+
+def test_a_hosted_api_is_asked_as_openai_wants_and_its_rate_limit_retried(vllm_url, monkeypatch):
+    """No hosted API is reachable from here; this front holds the judge to what one requires."""
+    diagnostics.reset()
+    direct, _ = GroupJudge(base_url=vllm_url, model=SERVED_NAME, rubric=RUBRIC).score(TASK, ANSWERS)
+    front = HostedLike(vllm_url)
+    try:
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")  # the key comes from the environment, as OpenAI's SDK reads it
+        judge = GroupJudge(base_url=front.url, model=SERVED_NAME, rubric=RUBRIC)
+        started = time.monotonic()
+        scores, info = judge.score(TASK, ANSWERS)
+        assert scores == direct, info  # the same request, answered after the rate limit
+        assert front.statuses == [429, 200] and judge.calls == 2 and time.monotonic() - started >= 1.0  # Retry-After
+        assert diagnostics.counters()["judge_retries"] == 1 and "judge_failures" not in diagnostics.counters()
+        body = front.bodies[-1]
+        assert body["max_completion_tokens"] == 256 and "max_tokens" not in body
+        assert body["response_format"]["json_schema"]["strict"] is True
+
+        wrong = GroupJudge(base_url=front.url, model=SERVED_NAME, rubric=RUBRIC, api_key="sk-wrong")
+        scores, info = wrong.score(TASK, ["4", "5"])
+        assert scores is None and wrong.calls == 1  # a wrong key is not retried
+        assert "401" in info["error"] and "Incorrect API key" in info["error"]
+        assert diagnostics.counters()["judge_failures"] == 1
+    finally:
+        front.close()
+
+
+def test_an_unguided_judge_reads_fenced_json_and_gives_up_after_its_retries(vllm_url):
+    diagnostics.reset()
+    direct, _ = GroupJudge(base_url=vllm_url, model=SERVED_NAME, rubric=RUBRIC).score(TASK, ANSWERS)
+    front = HostedLike(vllm_url, fence=True, limit_first=0)
+    try:  # guided=False, as for a provider without JSON-schema outputs: the scores are read out of the prose
+        judge = GroupJudge(base_url=front.url, model=SERVED_NAME, rubric=RUBRIC, api_key="sk-test", guided=False)
+        scores, info = judge.score(TASK, ANSWERS)
+        assert "response_format" not in front.bodies[-1]
+        assert scores == direct and info["error"] is None, info
+    finally:
+        front.close()
+    limited = HostedLike(vllm_url, limit_first=10)
+    try:
+        judge = GroupJudge(base_url=limited.url, model=SERVED_NAME, rubric=RUBRIC, api_key="sk-test", retries=1)
+        scores, info = judge.score(TASK, ANSWERS)
+        assert scores is None and limited.statuses == [429, 429] and "429" in info["error"]
+        assert diagnostics.counters()["judge_failures"] == 1 and diagnostics.counters()["judge_retries"] == 1
+    finally:
+        limited.close()
+    with pytest.raises(ConfigurationError, match="retries must be an int >= 0"):
+        GroupJudge(base_url=vllm_url, model=SERVED_NAME, retries=-1)
