@@ -90,6 +90,26 @@ def _message_line(message: dict[str, Any]) -> list[str]:
     return lines
 
 
+@rollouts.command("expire")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--idle", type=float, required=True, help="Seconds since the rollout's start, last span or reward.")
+@click.option("--origin", default=None, help="Only rollouts of this origin (gateway: opened over a gateway's API).")
+@_errors
+def rollouts_expire(store: str | None, idle: float, origin: str | None) -> None:
+    """End as timed_out the running rollouts nothing reached for --idle seconds (their process was killed).
+
+    A gateway does this for its own on start; this is for the rest (a traced agent's process killed outright).
+    What they recorded stays. Make sure no live process still runs them: one that does gets its finish refused.
+
+    Example: lightning-rl rollouts expire --idle 3600 --store runs.db
+    """
+    with _open(store) as s:
+        ended = s.expire_idle_running(idle, origin=origin)
+    for rollout_id in ended:
+        click.echo(rollout_id)
+    click.echo(f"{len(ended)} running rollout(s) idle for {idle:g} s or more ended as timed_out", err=True)
+
+
 @rollouts.command("show")
 @click.argument("rollout_id")
 @click.option("--store", default=None, help=STORE_HELP)

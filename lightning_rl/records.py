@@ -98,6 +98,9 @@ class Rollout(_Record):
     start_time: float = Field(default_factory=time.time)
     end_time: float | None = None
     error: str | None = None
+    #: What opened it where that matters for its end: "gateway" for a rollout opened over the gateway's
+    #: HTTP API (its key lives in that gateway's memory); None for a traced function's own.
+    origin: str | None = None
 
 
 ROLLOUT_SORTS = ("start_time", "reward", "status", "agent", "mode", "policy_version", "rollout_id")

@@ -89,6 +89,19 @@ def test_export_tokens_as_parquet_round_trips_the_jsonl_samples(db, tmp_path):
         read_samples(bad)
 
 
+def test_rollouts_expire_ends_what_a_killed_process_left_running(db):
+    with SQLiteStore(db) as store:
+        store.start_rollout(rollout("r-orphan", start_time=time.time() - 7200))
+        store.start_rollout(rollout("r-fresh"))
+    result = run("rollouts", "expire", "--idle", "3600", "--store", db)
+    assert result.exit_code == 0 and result.output.splitlines()[0] == "r-orphan", result.output
+    assert "1 running rollout(s) idle for 3600 s or more ended as timed_out" in result.output
+    rows = {r["rollout_id"]: r["status"] for r in map(json.loads, run("rollouts", "ls", "--store", db, "--json")
+                                                               .output.splitlines())}
+    assert rows["r-orphan"] == "timed_out" and rows["r-fresh"] == "running" and rows["r-ok"] == "succeeded"
+    assert run("rollouts", "expire", "--idle", "-1", "--store", db).exit_code == 1
+
+
 def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
     for args in (["rollouts", "show", "nope", "--store", db],
                  ["export", "--store", db, "--credit", "bogus"],

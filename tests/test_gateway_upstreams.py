@@ -101,3 +101,65 @@ def test_a_rollout_nothing_reaches_for_the_idle_timeout_ends_timed_out_and_a_sto
         assert len(traced.trajectory(busy["rollout_id"]).llm_calls) >= 2
     finally:
         engine.stop()
+
+
+def test_a_gateway_killed_outright_leaves_no_rollout_running_once_another_starts(traced, tmp_path):
+    """kill -9 gives the gateway no graceful stop: its open rollouts (their keys died with it) stay
+    "running" in the store until a gateway on the same store starts and finds nothing reached them
+    for its idle timeout. Rollouts it holds, or a traced function's own, are left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lightning_rl.records import Rollout
+    from lightning_rl.vllm_server import free_port
+
+    hits: list[str] = []
+    engine = ServerThread(fake_engine("a", hits), name="fake-a")
+    engine.start("a fake engine")
+    port = free_port()
+    killed = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "gateway", "--upstream", engine.url,
+                               "--store", f"sqlite:///{tmp_path / 'traced.db'}", "--port", str(port),
+                               "--idle-timeout", "3600"], stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and killed.poll() is None, "the gateway did not start"
+            time.sleep(0.2)
+        orphans = [httpx.post(f"{url}/v1/rollouts", json={"task": i}).json() for i in range(2)]
+        deadline = time.monotonic() + 30
+        assert httpx.post(orphans[0]["base_url"] + "/chat/completions", timeout=10, json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+        traced.start_rollout(Rollout(rollout_id="traced-own", name="agent", start_time=time.time() - 60))
+        while not traced.spans(orphans[0]["rollout_id"]):  # the call's span is committed (the writer's batch)
+            assert time.monotonic() < deadline, "the killed gateway never wrote the call"
+            time.sleep(0.02)
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(10)
+        traced.flush()
+        assert {traced.get_rollout(o["rollout_id"]).status for o in orphans} == {"running"}
+
+        time.sleep(1.0)  # the orphans' last activity is now more than the next gateway's idle timeout ago
+        with BackgroundGateway([engine.url], idle_timeout=0.8) as gw:
+            live = httpx.post(f"{gw.url}/v1/rollouts", json={"task": "live"}).json()
+            deadline = time.monotonic() + 10
+            while any(traced.get_rollout(o["rollout_id"]).status == "running" for o in orphans):
+                assert time.monotonic() < deadline, "the killed gateway's rollouts were never ended"
+                time.sleep(0.05)
+            for o in orphans:
+                ended = traced.get_rollout(o["rollout_id"])
+                assert ended.status == "timed_out" and "no longer holds it" in ended.error
+            assert len(traced.trajectory(orphans[0]["rollout_id"]).llm_calls) == 1  # its call stays recorded
+            assert traced.get_rollout(live["rollout_id"]).status == "running"  # held by this gateway
+            assert traced.get_rollout("traced-own").status == "running"  # not a gateway's
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        engine.stop()

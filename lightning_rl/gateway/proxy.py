@@ -87,6 +87,7 @@ except ImportError as exc:  # the gateway is an extra, like the store server
 DEFAULT_MAX_BODY = 16 * 2**20
 AGENT_HEADER = "x-lightning-rl-agent"
 _KEY_PREFIX = "lrl-"
+ORIGIN = "gateway"  # Rollout.origin of the rollouts opened over the HTTP API
 _ENDPOINTS = {"chat/completions": semconv.OP_CHAT, "completions": semconv.OP_TEXT_COMPLETION}
 
 
@@ -257,7 +258,7 @@ class Gateway:
             task, option=orjson.OPT_SORT_KEYS).decode()).hex[:16]
         rollout = Rollout(rollout_id=rollout_id, name=name, agent=agent or name, task=task, group_id=group_id,
                           attempt=attempt, mode=mode, status=RolloutStatus.RUNNING,
-                          policy_version=tracing.policy_version())
+                          policy_version=tracing.policy_version(), origin=ORIGIN)
         self.store.start_rollout(rollout)
         state = RolloutState(rollout_id, name, agent or name, mode, rollout.policy_version, group_id=group_id,
                              attempt=attempt)
@@ -369,6 +370,19 @@ class Gateway:
                 ended.append(active.state.rollout_id)
         if ended:
             count("gateway_rollouts_timed_out", len(ended))
+        return ended
+
+    def expire_orphans(self, now: float | None = None) -> list[str]:
+        """End, as timed out, the store's gateway-opened rollouts that no live gateway holds and nothing
+        reached for ``idle_timeout`` seconds: a gateway killed outright (no graceful stop) leaves its
+        rollouts running, and their keys died with it. Safe beside other gateways on the same store: a
+        rollout a live gateway holds gets a span or a reward within the idle timeout, or that gateway
+        ends it itself. Runs when the gateway starts and with each idle sweep."""
+        if self.idle_timeout is None:
+            return []
+        ended = self.store.expire_idle_running(self.idle_timeout, origin=ORIGIN, keep=set(self.rollouts), now=now)
+        if ended:
+            count("gateway_orphans_timed_out", len(ended))
         return ended
 
     def end_all(self, why: str) -> list[str]:
@@ -602,6 +616,10 @@ def create_app(gateway: Gateway) -> Any:
     async def sweep() -> None:
         every = min(60.0, gateway.idle_timeout / 4)
         while True:
+            try:  # first at start: what a gateway killed before this one left running
+                await asyncio.to_thread(gateway.expire_orphans)
+            except Exception as exc:
+                report_failure("gateway orphan sweep", exc)
             await asyncio.sleep(every)
             try:
                 await asyncio.to_thread(gateway.expire_idle)

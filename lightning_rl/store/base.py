@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 
+from ..diagnostics import count
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
 from ..records import (
     Mode,
@@ -186,6 +187,33 @@ class Store:
     def rewards(self, rollout_id: str) -> list[Reward]:
         self.get_rollout(rollout_id)
         return self._get_rewards(rollout_id)
+
+    def expire_idle_running(self, idle_seconds: float, *, origin: str | None = None,
+                            keep: Collection[str] = (), now: float | None = None) -> list[str]:
+        """End as ``timed_out`` the running rollouts (of ``origin``, or any) that nothing reached for
+        ``idle_seconds``: no span ended, no reward came, since then (or since they started). Their opener
+        died without ending them (a gateway or a process killed outright), so they would read "running"
+        for ever. ``keep``: ids a live opener still holds. Returns the ids ended; records nothing else."""
+        if not (isinstance(idle_seconds, (int, float)) and idle_seconds > 0):
+            raise ConfigurationError(f"idle_seconds must be a number of seconds > 0, got {idle_seconds!r}")
+        now = time.time() if now is None else now
+        candidates = [r for r in self.rollouts(status=RolloutStatus.RUNNING)
+                      if (origin is None or r.origin == origin) and r.rollout_id not in keep
+                      and now - r.start_time >= idle_seconds]
+        ended = []
+        for rollout, spans, rewards in self.rollout_data([r.rollout_id for r in candidates]):
+            last = max([rollout.start_time, *(s.end_ns / 1e9 for s in spans), *(r.time for r in rewards)])
+            if now - last < idle_seconds:
+                continue
+            self.finish_rollout(rollout.rollout_id, RolloutStatus.TIMED_OUT, now,
+                                f"nothing reached this rollout for {idle_seconds:g} s and its opener "
+                                f"({rollout.origin or 'a traced function'}) no longer holds it: it stopped without "
+                                "ending it")
+            ended.append(rollout.rollout_id)
+        if ended:
+            self.flush()
+            count("rollouts_expired_idle", len(ended))
+        return ended
 
     def existing_rollout_ids(self, rollout_ids: Iterable[str]) -> set[str]:
         return {rid for rid in rollout_ids if self._get_rollout(rid) is not None}

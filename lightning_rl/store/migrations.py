@@ -209,3 +209,14 @@ def _lease_keys(db: sqlite_utils.Database) -> None:
 def _policy_lineage(db: sqlite_utils.Database) -> None:
     if "trained_on" not in db["policies"].columns_dict:  # a JSON list of group ids; NULL: not recorded
         db["policies"].add_column("trained_on", str)
+
+
+@migration(8, "rollout origin (gateway-opened rollouts a restarted gateway may end); start-time indexes")
+def _rollout_origin(db: sqlite_utils.Database) -> None:
+    if "origin" not in db["rollouts"].columns_dict:
+        db["rollouts"].add_column("origin", str)
+    indexes = {i.name for i in db["rollouts"].indexes}
+    if "rollouts_start" not in indexes:  # the newest-first list (viewer, rollouts ls) without a full sort
+        db["rollouts"].create_index(["start_time"], index_name="rollouts_start")
+    if "rollouts_status_start" not in indexes:  # running rollouts (the orphan sweep), status filters
+        db["rollouts"].create_index(["status", "start_time"], index_name="rollouts_status_start")

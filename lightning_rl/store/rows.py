@@ -34,7 +34,7 @@ _NO_TOKENS = (None, None, None, None, None)
 LEGACY_TOKEN_ATTRIBUTES = (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS)
 ROLLOUT_COLUMNS = (
     "rollout_id", "name", "agent", "task", "group_id", "attempt", "mode", "status", "policy_version",
-    "start_time", "end_time", "error",
+    "start_time", "end_time", "error", "origin",
 )
 REWARD_COLUMNS = ("rollout_id", "name", "value", "llm_call_index", "agent", "source", "time", "uid")
 
@@ -170,8 +170,14 @@ def spans_from_rows(rows: list[tuple]) -> list[Span]:
 def rollout_values(r: Rollout) -> tuple:
     return (
         r.rollout_id, r.name, r.agent, orjson.dumps(r.task).decode(), r.group_id, r.attempt,
-        r.mode.value, r.status.value, r.policy_version, r.start_time, r.end_time, r.error,
+        r.mode.value, r.status.value, r.policy_version, r.start_time, r.end_time, r.error, r.origin,
     )
+
+
+def full_rollout_values(values: tuple | list) -> tuple:
+    """Rollout values written by an older version (a spill file from before a column was added),
+    padded with None for the columns it did not have."""
+    return tuple(values) + (None,) * (len(ROLLOUT_COLUMNS) - len(values))
 
 
 def rollout_from_values(values: tuple | list) -> Rollout:

@@ -40,6 +40,7 @@ from .rows import (
     queue_values,
     reward_from_values,
     reward_values,
+    full_rollout_values,
     rollout_from_values,
     rollout_values,
     span_record_values,
@@ -254,7 +255,7 @@ class SQLiteStore(Store):
             elif kind == "span_values":
                 spans.append(share(legacy_span_values(payload)))
             elif kind == "rollout":
-                rollouts.append(rollout_values(payload) if isinstance(payload, Rollout) else tuple(payload))
+                rollouts.append(rollout_values(payload) if isinstance(payload, Rollout) else full_rollout_values(payload))
             elif kind == "reward":
                 rewards.append(reward_values(payload) if isinstance(payload, Reward) else tuple(payload))
             elif kind == "finish":
@@ -281,7 +282,7 @@ class SQLiteStore(Store):
                 if cur.rowcount == 0:
                     count("rejected_status_transitions")
             for values, end_time, reason in expires:  # the queue's word is final: after everything else
-                conn.execute(_INSERT_ROLLOUT, tuple(values))
+                conn.execute(_INSERT_ROLLOUT, full_rollout_values(values))
                 conn.execute("UPDATE rollouts SET status = ?, end_time = ?, error = ? WHERE rollout_id = ? AND status != ?",
                              (RolloutStatus.TIMED_OUT.value, end_time, reason, values[0], RolloutStatus.TIMED_OUT.value))
             conn.execute("COMMIT")

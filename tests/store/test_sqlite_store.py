@@ -279,7 +279,7 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
         (held,) = store.queue_entries(["g1"])  # a lease from before lease keys: read, and completed as before
         assert held.lease_key is None and store.complete("q1", "r-a", "succeeded")
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 7
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 8
     conn.close()
 
 
@@ -305,7 +305,7 @@ def test_a_schema_6_file_is_upgraded_and_its_publishes_have_no_lineage(tmp_path)
         store.record_policy("policy", 2, time=3.0, trained_on=["g-2", "g-1"])
         assert store.latest_policies()["policy"].trained_on == ["g-2", "g-1"]
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 7
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 8
     columns = {r[1]: (r[2], r[3]) for r in conn.execute("PRAGMA table_info(policies)")}
     assert columns["trained_on"] == ("TEXT", 0)  # nullable text: a JSON list of group ids
     assert conn.execute("SELECT trained_on FROM policies ORDER BY publish_id").fetchall() == [
@@ -315,3 +315,41 @@ def test_a_schema_6_file_is_upgraded_and_its_publishes_have_no_lineage(tmp_path)
     conn.close()
     with SQLiteStore(path) as store:  # opened again: nothing to migrate, nothing lost
         assert [p.trained_on for p in store.policies()] == [None, None, ["g-2", "g-1"]]
+
+
+def test_a_schema_7_file_gets_rollout_origins_and_its_old_spills_replay(tmp_path):
+    """Migration 8 adds Rollout.origin and the start-time indexes; rows and spill lines written before it
+    (12 rollout values) read as origin None."""
+    import json
+
+    import sqlite_utils
+
+    from lightning_rl.store.migrations import _MIGRATIONS
+
+    path = tmp_path / "v7.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    db = sqlite_utils.Database(conn)
+    for version in range(1, 8):
+        _MIGRATIONS[version][1](db)
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 7")
+    conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "
+                 "VALUES ('r-old', 'a', 0, 'train', 'running', 1.0)")
+    conn.close()
+    spill = tmp_path / "v7.db.spill"
+    spill.mkdir()
+    old_line = ["r-spilled", "a", "a", "null", None, 0, "train", "running", None, 2.0, None, None]  # before origin
+    (spill / "00000001-999999.jsonl").write_text(json.dumps({"kind": "rollout", "payload": old_line}) + "\n")
+    with SQLiteStore(path) as store:
+        store.start_rollout(rollout("r-new", origin="gateway"))
+        assert store.flush(10) and not store.spill_files  # the backlog is written back before the new record
+        assert store.get_rollout("r-old").origin is None and store.get_rollout("r-spilled").origin is None
+        assert store.get_rollout("r-new").origin == "gateway"
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 8
+    indexes = {r[1] for r in conn.execute("PRAGMA index_list(rollouts)")}
+    assert {"rollouts_start", "rollouts_status_start"} <= indexes
+    plan = " ".join(r[3] for r in conn.execute(
+        "EXPLAIN QUERY PLAN SELECT rollout_id FROM rollouts ORDER BY start_time DESC LIMIT 50"))
+    assert "rollouts_start" in plan and "TEMP B-TREE" not in plan, plan  # the newest first, without a sort
+    conn.close()

@@ -94,3 +94,31 @@ def test_reward_record_validation_on_construction():
         Reward(rollout_id="r", value=math.nan)
     with pytest.raises(ValueError, match="extra"):
         Reward(rollout_id="r", value=1.0, colour="red")
+
+
+def test_running_rollouts_nothing_reached_for_the_idle_time_end_timed_out(store):
+    """What a killed opener leaves running is ended; what is active, held, finished, or of another
+    origin is not. Activity is the start, the last span's end and the last reward."""
+    now = time.time()
+    old = now - 100
+    for rid, origin in (("quiet", "gateway"), ("spanned", "gateway"), ("rewarded", "gateway"), ("held", "gateway"),
+                        ("fresh", "gateway"), ("traced", None), ("done", "gateway")):
+        store.start_rollout(rollout(rid, start_time=now - 5 if rid == "fresh" else old, origin=origin))
+    span = llm_span("spanned", 0, 0, [1], [2])
+    span.start_ns, span.end_ns = int((now - 6) * 1e9), int((now - 5) * 1e9)  # a call that ended 5 s ago
+    store.add_spans([span])
+    store.write_reward(Reward(rollout_id="rewarded", value=1.0, source=RewardSource.EMITTED, time=now - 5))
+    store.finish_rollout("done", RolloutStatus.SUCCEEDED, old + 1, None)
+    store.flush()
+    assert store.get_rollout("quiet").origin == "gateway" and store.get_rollout("traced").origin is None
+
+    ended = store.expire_idle_running(60, origin="gateway", keep={"held"}, now=now)
+    assert ended == ["quiet"]
+    quiet = store.get_rollout("quiet")
+    assert quiet.status == "timed_out" and "nothing reached this rollout for 60 s" in quiet.error
+    assert {r: store.get_rollout(r).status for r in ("spanned", "rewarded", "held", "fresh", "traced", "done")} == {
+        "spanned": "running", "rewarded": "running", "held": "running", "fresh": "running", "traced": "running",
+        "done": "succeeded"}
+    assert sorted(store.expire_idle_running(60, now=now + 60)) == ["fresh", "held", "rewarded", "spanned", "traced"]
+    with pytest.raises(lrl.ConfigurationError, match="idle_seconds must be a number of seconds > 0"):
+        store.expire_idle_running(0)
