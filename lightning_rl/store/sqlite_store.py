@@ -392,7 +392,9 @@ class SQLiteStore(Store):
         clause = (" WHERE " + " AND ".join(where)) if where else ""
         direction = "DESC" if query.descending else "ASC"
         column = "w.reward" if query.sort == "reward" else f"r.{query.sort}"
-        order = f"{column} IS NULL, {column} {direction}, r.start_time {direction}, r.rowid {direction}"
+        # columns that are never NULL sort without the NULLs-last term, so an index can give the order
+        nulls_last = "" if query.sort in ("start_time", "status", "mode", "rollout_id") else f"{column} IS NULL, "
+        order = f"{nulls_last}{column} {direction}, r.start_time {direction}, r.rowid {direction}"
         columns = ", ".join(f"r.{c}" for c in ROLLOUT_COLUMNS)
         extra = ", w.reward, w.n" if by_reward else ""
         with self._rlock:
