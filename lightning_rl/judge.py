@@ -161,7 +161,8 @@ class GroupJudge:
             scores = self._parse(text, len(answers))
         except Exception as exc:
             count("judge_failures")
-            report_failure("the LLM judge", exc)
+            report_failure("the LLM judge", exc, message="lightning-rl: the LLM judge failed; its group stays "
+                           "unrewarded (counted in judge_failures, the judge span has the cause; logged once)")
             info["error"] = f"{type(exc).__name__}: {exc}"[:500]
             return None, info
         self._cache[key] = scores
