@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,8 @@ def warm_start(data: Any, model_dir: str | Path, out_dir: str | Path, *, local: 
     samples = sft_samples(data, model_dir)
     out_dir = Path(out_dir)
     path = out_dir / "sft_adapter"
+    if path.is_dir():  # an earlier SFT's adapters: a team policy without data now must not load them
+        shutil.rmtree(path)
     if policies is None:
         backend = LocalBackend(model_dir, local or LocalConfig(), seed=seed)
         stats: dict[str, Any] = backend.sft(samples, epochs=epochs, lr=lr)

@@ -165,5 +165,10 @@ def test_the_sft_command_takes_a_team(tmp_path):
     for name in ("p", "s"):
         assert (tmp_path / "sft" / "sft_adapter" / name / "adapter_config.json").is_file()
     assert not (tmp_path / "sft" / "sft_adapter" / "j").exists()
+    again = CliRunner().invoke(main, ["sft", "--data", str(data), "--model-dir", str(ensure_tiny_model()),
+                                      "--out", str(tmp_path / "sft"), "--epochs", "1", "--policy", "planner=p",
+                                      "--policy", "judge=s"])  # s has no data now: its old adapter must go
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "sft" / "sft_adapter" / "p").is_dir() and not (tmp_path / "sft" / "sft_adapter" / "s").exists()
     (line,) = [x[x.index('{"policies'):] for x in result.output.splitlines() if '{"policies' in x]
     assert json.loads(line)["sft_policies_without_data"] == ["j"]
