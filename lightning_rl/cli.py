@@ -259,6 +259,41 @@ def sft(data: str, model_dir: str, out: str, epochs: int, lr: float, seed: int, 
     click.echo(f"adapter written to {path}; train from it with Trainer(init_adapter={str(path)!r})", err=True)
 
 
+@main.command("judge")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--base-url", required=True, help="The judge's OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--model", required=True, help="The judge's model name at that endpoint.")
+@click.option("--rubric", default=None, help="What a good answer is (default: the judge's general rubric).")
+@click.option("--mode", type=click.Choice(["train", "eval", "prod"]), default=None, help="Only rollouts of this mode.")
+@click.option("--max-groups", type=int, default=None, help="Judge at most this many groups (oldest first).")
+@click.option("--cache", default=None, type=click.Path(dir_okay=False), help="A JSON file of judged groups, kept across runs.")
+@click.option("--unguided", is_flag=True, help="For endpoints without JSON-schema outputs: read the scores from the text.")
+@_errors
+def judge(store: str | None, base_url: str, model: str, rubric: str | None, mode: str | None,
+          max_groups: int | None, cache: str | None, unguided: bool) -> None:
+    """Reward stored rollouts that have none with an LLM judge, each group's tries scored together.
+
+    The key is $OPENAI_API_KEY. Rollouts that have rewards keep them. A failed group stays unrewarded
+    and is counted. Exits 1 when no succeeded rollout lacks a reward.
+
+    Example: lightning-rl judge --store runs.db --mode prod --base-url http://127.0.0.1:8000/v1 --model judge --rubric "Score 1 for a correct, polite answer."
+    """
+    from .errors import ConfigurationError
+    from .judge import DEFAULT_RUBRIC, GroupJudge, unrewarded_groups
+
+    if max_groups is not None and max_groups < 1:
+        raise ConfigurationError(f"--max-groups must be >= 1, got {max_groups}")
+    grader = GroupJudge(base_url=base_url, model=model, rubric=rubric or DEFAULT_RUBRIC, cache_path=cache,
+                        guided=not unguided)
+    with _open(store) as s:
+        groups, ungrouped = unrewarded_groups(s, mode=mode, max_groups=max_groups)
+        if not groups:
+            raise ConfigurationError(f"no group of succeeded rollouts without a reward{f' in mode {mode}' if mode else ''}"
+                                     f" ({ungrouped} unrewarded rollouts have no group and cannot be compared)")
+        done = grader.reward_groups(s, groups)
+    click.echo(json.dumps({**done, "ungrouped_skipped": ungrouped, "judge_requests": grader.calls}))
+
+
 @main.command("export-model")
 @click.option("--adapter", required=True, type=click.Path(file_okay=False), help="A LoRA adapter folder the trainer published.")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the base model's weights (required).")

@@ -237,3 +237,26 @@ class GroupJudge:
                 done["judged_groups"] += 1
                 done["judge_rewarded_rollouts"] += len(todo)
         return done
+
+
+def unrewarded_groups(store: Any, *, mode: str | None = None,
+                      max_groups: int | None = None) -> tuple[list[str], int]:
+    """The groups (oldest first) with at least one succeeded try that has no reward: what a judge can
+    score after the fact (``lightning-rl judge``). Also how many unrewarded tries have no group: the
+    judge compares a group's tries, so those are left out (and counted)."""
+    groups: dict[str, None] = {}
+    ungrouped = offset = 0
+    while max_groups is None or len(groups) < max_groups:
+        page = store.rollout_page(status="succeeded", mode=mode, sort="start_time", descending=False,
+                                  offset=offset, limit=1000)
+        for row in page.rows:
+            if row.reward is None:
+                if row.rollout.group_id is None:
+                    ungrouped += 1
+                else:
+                    groups.setdefault(row.rollout.group_id, None)
+        offset += len(page.rows)
+        if not page.rows or offset >= page.total:
+            break
+    found = list(groups)
+    return (found if max_groups is None else found[:max_groups]), ungrouped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -217,3 +218,48 @@ def test_an_unguided_judge_reads_fenced_json_and_gives_up_after_its_retries(vllm
         limited.close()
     with pytest.raises(ConfigurationError, match="retries must be an int >= 0"):
         GroupJudge(base_url=vllm_url, model=SERVED_NAME, retries=-1)
+
+
+def test_the_judge_command_rewards_stored_groups_that_have_none(vllm_url, tmp_path):
+    """After the fact, e.g. production traffic: each unrewarded group judged once, rewarded groups and
+    other modes left alone, ungrouped tries counted; a second run finds nothing and says so."""
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+    from lightning_rl.records import Reward, RewardSource
+
+    store = SQLiteStore(tmp_path / "s.db")
+    tries = {("p1", "prod"): ["4", "5"], ("p2", "prod"): ["4", "22"], ("done", "prod"): ["4"], ("t1", "train"): ["4"],
+             (None, "prod"): ["4"]}
+    for (group, mode), answers in tries.items():
+        for i, answer in enumerate(answers):
+            rid = f"{group}-{i}"
+            store.start_rollout(Rollout(rollout_id=rid, name="calc", agent="calc", task=TASK, group_id=group,
+                                        attempt=i, mode=mode))
+            span = llm_span(rid, 0, 0, [1, 2], [3], agent="calc")
+            span.attributes["gen_ai.output.messages"] = f'[{{"role": "assistant", "content": "{answer}"}}]'
+            store.add_spans([span])
+            store.finish_rollout(rid, RolloutStatus.SUCCEEDED, time.time(), None)
+    store.write_reward(Reward(rollout_id="done-0", value=0.3, source=RewardSource.FEEDBACK))
+    store.flush()
+    store.close()
+
+    def judge(*extra: str):
+        return CliRunner().invoke(main, ["judge", "--store", str(tmp_path / "s.db"), "--base-url", vllm_url,
+                                         "--model", SERVED_NAME, "--rubric", RUBRIC, "--mode", "prod", *extra])
+
+    result = judge()
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.output.strip().splitlines()[-1])
+    assert line == {"judged_groups": 2, "judge_failed_groups": 0, "judge_rewarded_rollouts": 4,
+                    "ungrouped_skipped": 1, "judge_requests": 2}
+    store = SQLiteStore(tmp_path / "s.db")
+    for rid in ("p1-0", "p1-1", "p2-0", "p2-1"):
+        (reward,) = store.rewards(rid)
+        assert reward.value in SCALE and reward.source.value == "function"
+    assert [r.value for r in store.rewards("done-0")] == [0.3]  # a reward given is never overwritten
+    assert store.rewards("t1-0") == [] and store.rewards("None-0") == []  # another mode; no group
+    store.close()
+    again = judge()
+    assert again.exit_code == 1 and "no group of succeeded rollouts without a reward in mode prod" in again.output
+    assert "1 unrewarded rollouts have no group" in again.output
