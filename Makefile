@@ -114,6 +114,7 @@ bench: all venv-peer
 	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
 	$(PY) bench/bench_store_ingest.py
 	$(PY) bench/bench_sqlite_synchronous.py
+	$(PY) bench/bench_commit_window.py
 	$(PY) bench/bench_memory.py
 	$(PY) bench/bench_storage_bytes.py
 	$(PY) bench/bench_capture_cost.py
