@@ -201,9 +201,8 @@ class Store:
                       if (origin is None or r.origin == origin) and r.rollout_id not in keep
                       and now - r.start_time >= idle_seconds]
         ended = []
-        for rollout, spans, rewards in self.rollout_data([r.rollout_id for r in candidates]):
-            last = max([rollout.start_time, *(s.end_ns / 1e9 for s in spans), *(r.time for r in rewards)])
-            if now - last < idle_seconds:
+        for rollout in candidates:
+            if now - self._last_activity(rollout) < idle_seconds:
                 continue
             self.finish_rollout(rollout.rollout_id, RolloutStatus.TIMED_OUT, now,
                                 f"nothing reached this rollout for {idle_seconds:g} s and its opener "
@@ -214,6 +213,12 @@ class Store:
             self.flush()
             count("rollouts_expired_idle", len(ended))
         return ended
+
+    def _last_activity(self, rollout: Rollout) -> float:
+        """When anything last reached ``rollout``: its start, its last span's end, its last reward (epoch s).
+        Any store, from the records; the SQLite store asks SQL for the two maxima instead."""
+        spans, rewards = self._get_spans(rollout.rollout_id), self._get_rewards(rollout.rollout_id)
+        return max([rollout.start_time, *(s.end_ns / 1e9 for s in spans), *(r.time for r in rewards)])
 
     def existing_rollout_ids(self, rollout_ids: Iterable[str]) -> set[str]:
         return {rid for rid in rollout_ids if self._get_rollout(rid) is not None}

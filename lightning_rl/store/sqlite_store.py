@@ -414,6 +414,12 @@ class SQLiteStore(Store):
                            rewards=rewards.get(row[0], (None, 0))[1]) for row in found]
         return RolloutPage(rows=rows, total=total)
 
+    def _last_activity(self, rollout: Rollout) -> float:
+        """Without reading the spans' token columns (the gateway's orphan sweep asks every minute)."""
+        (span_end,), = self._read("SELECT max(end_ns) FROM spans WHERE rollout_id = ?", (rollout.rollout_id,))
+        (reward_time,), = self._read("SELECT max(time) FROM rewards WHERE rollout_id = ?", (rollout.rollout_id,))
+        return max(rollout.start_time, (span_end or 0) / 1e9, reward_time or 0.0)
+
     def _get_spans(self, rollout_id: str) -> list[Span]:
         rows = self._read(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE rollout_id = ? ORDER BY seq", (rollout_id,))
         return spans_from_rows(rows)
