@@ -51,7 +51,7 @@ def main() -> None:
             t0 = time.process_time()
             batch = wire.Batch.model_validate_json(b, strict=True)
             t1 = time.process_time()
-            errors, _, _ = wire.check_ops(batch.ops)
+            errors, _, _, _ = wire.check_ops(batch.ops)
             t2 = time.process_time()
             items = wire.to_store_items(batch.ops)
             t3 = time.process_time()

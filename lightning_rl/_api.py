@@ -19,10 +19,10 @@ from .tracer.sink import SpanSink
 _UNSET: Any = object()
 
 
-def open_store(url: str | os.PathLike[str] | None = None) -> Store:
+def open_store(url: str | os.PathLike[str] | None = None, *, read_only: bool = False) -> Store:
     """Open a store: ``sqlite:///runs.db``, a plain path, or ``memory://`` (default: LIGHTNING_RL_STORE
-    or ``./lightning_rl.db``)."""
-    return _open_store(url)
+    or ``./lightning_rl.db``). ``read_only=True`` changes nothing in it (no migration, no spill replay)."""
+    return _open_store(url, read_only=read_only)
 
 
 def configure(

@@ -28,10 +28,10 @@ def _errors(fn):
     return wrapper
 
 
-def _open(store: str | None):
+def _open(store: str | None, *, read_only: bool = False):
     from ._api import open_store
 
-    return open_store(store)
+    return open_store(store, read_only=read_only)
 
 
 def _when(ts: float | None) -> str:
@@ -500,6 +500,62 @@ def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: f
           workers=workers, synchronous=synchronous)
 
 
+@store_group.command("doctor")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Quarantined records shown.")
+@click.option("--json", "as_json", is_flag=True, help="The report as one JSON object.")
+@_errors
+def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
+    """What a store holds that needs attention: records set aside in its quarantine (with the reason and
+    the original record), spill files not yet written back, and this process's failure counters. Exits 1
+    when something is there. Opens the store read-only: it writes nothing and replays nothing.
+
+    Example: lightning-rl store doctor --store runs.db
+    """
+    from . import diagnostics
+
+    opened = _open(store, read_only=True)
+    try:
+        quarantine = opened.quarantined(limit=limit)
+        total = len(opened.quarantined(limit=2**62)) if len(quarantine) >= limit else len(quarantine)
+        spills = [str(p) for p in getattr(opened, "spill_files", [])]
+        report = {"store": opened.url, "quarantined": total, "spill_files": len(spills),
+                  "quarantine": [q.model_dump(mode="json", exclude={"schema_version"}) for q in quarantine],
+                  "spill": spills, "counters": diagnostics.counters()}
+    finally:
+        opened.close()
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        if total:
+            click.echo(f"{total} record(s) quarantined in {report['store']} (they could not be written; the rest "
+                       "of their batches was). Newest first:")
+            for q in quarantine:
+                click.echo(f"  #{q.quarantine_id} {_when(q.time)} {q.kind} rollout={q.rollout_id or '-'}: {q.reason}")
+                click.echo(f"      record: {q.payload[:300]}")
+        else:
+            click.echo(f"nothing quarantined in {report['store']}")
+        if spills:
+            click.echo(f"{len(spills)} spill file(s) not yet written back (the next process that opens the store "
+                       f"for writing replays them): {', '.join(spills[:5])}")
+    if total or spills:
+        sys.exit(1)
+
+
+@store_group.command("migrate")
+@click.option("--store", default=None, help=STORE_HELP)
+@_errors
+def store_migrate(store: str | None) -> None:
+    """Upgrade a SQLite store file written by an older lightning-rl to this version's schema, in place
+    (what any writer does when it opens the file; the viewer, read-only, does not).
+
+    Example: lightning-rl store migrate --store runs.db
+    """
+    opened = _open(store)
+    opened.close()
+    click.echo(f"{opened.url}: schema up to date")
+
+
 @store_group.command("openapi")
 def store_openapi() -> None:
     """Print the store server's OpenAPI document (JSON).
@@ -564,8 +620,8 @@ def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host
     from .viewer.app import check_bind, serve
 
     check_bind(host, token)
-    opened = _open(store)
-    click.echo(f"viewer on http://{host}:{port} over {opened.url}", err=True)
+    opened = _open(store, read_only=True)  # the viewer never writes: no migration, no spill replay
+    click.echo(f"viewer on http://{host}:{port} over {opened.url} (read-only)", err=True)
     serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token)
 
 

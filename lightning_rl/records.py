@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .boundaries import Int64, NonNegativeInt64
 from .errors import ConfigurationError, check_reward
 
 SCHEMA_VERSION = 1
@@ -91,10 +92,10 @@ class Rollout(_Record):
     agent: str | None = None
     task: Any = None
     group_id: str | None = None
-    attempt: int = 0
+    attempt: Int64 = 0
     mode: Mode = Mode.TRAIN
     status: RolloutStatus = RolloutStatus.RUNNING
-    policy_version: int | None = None
+    policy_version: Int64 | None = None
     start_time: float = Field(default_factory=time.time)
     end_time: float | None = None
     error: str | None = None
@@ -116,13 +117,13 @@ class RolloutQuery(BaseModel):
     status: RolloutStatus | None = None
     agent: str | None = None
     group_id: str | None = None
-    policy_version: int | None = None
+    policy_version: Int64 | None = None
     reward_min: float | None = None
     reward_max: float | None = None
     text: str | None = None
     sort: str = "start_time"
     descending: bool = True
-    offset: int = Field(default=0, ge=0)
+    offset: NonNegativeInt64 = 0
     limit: int = Field(default=50, ge=1, le=1000)
 
     @field_validator("sort")
@@ -160,14 +161,14 @@ class Span(_Record):
     engine's token arrays of an LLM call (``tokens``; not an OTel attribute)."""
 
     rollout_id: str
-    seq: int
+    seq: Int64
     trace_id: str
     span_id: str
     parent_id: str | None = None
     name: str
     kind: str = "INTERNAL"
-    start_ns: int
-    end_ns: int
+    start_ns: Int64
+    end_ns: Int64
     status_code: str = "UNSET"
     status_message: str | None = None
     attributes: dict[str, Any] = Field(default_factory=dict)
@@ -251,7 +252,7 @@ class Reward(_Record):
     rollout_id: str
     value: float
     name: str = "reward"
-    llm_call_index: int | None = None
+    llm_call_index: Int64 | None = None
     agent: str | None = None
     source: RewardSource = RewardSource.EMITTED
     time: float = Field(default_factory=time.time)
@@ -268,11 +269,24 @@ class PolicyRecord(_Record):
     """One publish: the served model name answered with these weights from ``time`` on."""
 
     served_name: str = Field(min_length=1)
-    version: int = Field(ge=0)
+    version: NonNegativeInt64
     adapter: str | None = None
     time: float = Field(default_factory=time.time)
     #: Lineage: group ids of the rollouts this version was trained on, in batch order; None when not recorded.
     trained_on: list[str] | None = None
+
+
+class QuarantinedRecord(_Record):
+    """A record a store set aside because it could not be written (a value SQLite cannot hold, a
+    payload from another version), kept with the reason and its original form so nothing is lost.
+    ``lightning-rl store doctor`` lists them; the rest of their batch was written."""
+
+    quarantine_id: int
+    time: float
+    kind: str  # what it was: rollout, span, reward, finish, expire, or a spill line that could not be read
+    rollout_id: str | None = None
+    reason: str
+    payload: str  # the record as JSON text (the spill file's form), or a bounded description of it
 
 
 class ToolCall(BaseModel):
@@ -380,14 +394,14 @@ class QueueEntry(_Record):
     queue_id: str
     group_id: str
     task: Any = None
-    attempt: int = 0
+    attempt: Int64 = 0
     mode: Mode = Mode.TRAIN
     status: QueueStatus = QueueStatus.QUEUED
     runner: str | None = None  # who holds the lease, or who completed it
     lease_expires: float | None = None
     lease_key: str | None = None  # the key of the lease request that handed out this try (retries reuse it)
-    tries: int = 0  # how many times it was leased (a retry after a dead runner is another try)
-    max_tries: int = 3
+    tries: Int64 = 0  # how many times it was leased (a retry after a dead runner is another try)
+    max_tries: Int64 = 3
     rollout_id: str | None = None  # the rollout of the current (or last) try
     outcome: RolloutStatus | None = None  # succeeded / failed / timed_out, when done
     created: float = Field(default_factory=time.time)

@@ -14,11 +14,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from ..boundaries import INT64_MAX, json_problem
 from ..diagnostics import count
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
 from ..records import (
     Mode,
     PolicyRecord,
+    QuarantinedRecord,
     QueueEntry,
     Reward,
     RewardSource,
@@ -43,6 +45,20 @@ def _since(value: float | dt.datetime | None) -> float | None:
     if isinstance(value, dt.datetime):
         return value.timestamp()
     raise ConfigurationError(f"since must be a UNIX time or a datetime, got {shown(value)}")
+
+
+def check_count(value: Any, name: str, *, minimum: int = 0, optional: bool = False) -> None:
+    """A count, position or version a caller passes: an int from ``minimum`` to 2**63-1 (SQLite's range)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
+        what = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+        raise ConfigurationError(f"{name} must be {what} (up to 2**63-1, SQLite's range), got {shown(value)}")
+
+
+def check_position(after: Any) -> None:
+    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= INT64_MAX:
+        raise ConfigurationError(f"after must be a position returned by rewarded_since (an int >= 0), got {shown(after)}")
 
 
 def page_matches(query: RolloutQuery, row: RolloutRow) -> bool:
@@ -108,6 +124,13 @@ class Store:
         """``(position, rollout_id)`` of rewards stored after position ``after``, in order."""
         raise NotImplementedError
 
+    def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
+        """The records set aside because they could not be written, newest first."""
+        raise NotImplementedError
+
+    def _writable(self, what: str) -> None:
+        """Raise :class:`StoreError` when this store was opened read-only (``what`` names the call)."""
+
     def write_batch(self, items: list[tuple[str, Any]]) -> None:
         """Write validated items (``rollout``, ``span_values``, ``reward``, ``finish``) idempotently;
         durable on return. The store server's write path."""
@@ -168,6 +191,8 @@ class Store:
     ) -> list[Rollout]:
         if mode is not None:
             check_mode(mode)
+        check_count(min_policy_version, "min_policy_version", optional=True)
+        check_count(limit, "limit", optional=True)
         if status is not None:
             try:
                 status = RolloutStatus(status).value
@@ -187,6 +212,13 @@ class Store:
     def rewards(self, rollout_id: str) -> list[Reward]:
         self.get_rollout(rollout_id)
         return self._get_rewards(rollout_id)
+
+    def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
+        """Records this store set aside because they could not be written (a value SQLite cannot hold,
+        a spill line of another version), newest first, each with its reason and original form. The rest
+        of their batches was written; ``lightning-rl store doctor`` shows them."""
+        check_count(limit, "limit")
+        return self._quarantined(limit)
 
     def expire_idle_running(self, idle_seconds: float, *, origin: str | None = None,
                             keep: Collection[str] = (), now: float | None = None) -> list[str]:
@@ -244,7 +276,9 @@ class Store:
     ) -> Reward:
         """Attach a reward to a rollout, also long after it ended (user feedback). Durable on return.
         Give ``uid`` to make a retried call idempotent (the same uid is stored once)."""
+        self._writable("add_reward")
         value = check_reward(value, what=f"reward {name!r}")
+        check_count(llm_call_index, "llm_call_index", optional=True)
         self.flush()  # a rollout that just finished in this process must be visible
         self.get_rollout(rollout_id)
         reward = Reward(
@@ -257,8 +291,8 @@ class Store:
     def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
         """Rollouts that got a reward (named ``name``, or any) since position ``after``, and the
         position to pass next time: a poller reads what is new, not the store's history."""
-        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-            raise ConfigurationError(f"after must be a position returned by rewarded_since (an int >= 0), got {shown(after)}")
+        check_position(after)
+        check_count(limit, "limit")
         rows = self._rewards_after(after, name, limit)
         ids = list(dict.fromkeys(rid for _, rid in rows))
         return ids, (rows[-1][0] if rows else after)
@@ -271,8 +305,7 @@ class Store:
         the group ids of the rollouts whose samples made this version, in batch order (its lineage)."""
         if not isinstance(served_name, str) or not served_name:
             raise ConfigurationError(f"served_name must be the model name agents request, got {shown(served_name)}")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ConfigurationError(f"policy version must be a non-negative int, got {shown(version)}")
+        check_count(version, "policy version")
         if trained_on is not None:
             if not isinstance(trained_on, (list, tuple)):
                 raise ConfigurationError(
@@ -337,6 +370,10 @@ class Store:
         ``once=True`` (with ``group_id``) makes it idempotent: if that group exists already, its
         entries are returned and nothing is added (a retried request after a lost answer)."""
         check_mode(mode)
+        problem = json_problem(task, "task")
+        if problem:
+            raise ConfigurationError(f"the task cannot be stored: {problem}")
+        check_count(max_tries, "max_tries", minimum=1)
         entries = task_queue.new_group(task, n, mode=mode, max_tries=max_tries, group_id=group_id)
 
         def put(view):
@@ -347,6 +384,7 @@ class Store:
             view.put(entries)
             return entries
 
+        self._writable("enqueue")
         return self._queue_txn(put)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,

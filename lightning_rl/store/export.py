@@ -34,7 +34,7 @@ class ChatExportStats:
 
 
 def _tool_call(tc: dict[str, Any]) -> dict[str, Any]:
-    fn = dict(tc.get("function") or {})
+    fn = dict(tc["function"])
     if isinstance(fn.get("arguments"), str):
         try:
             parsed = json.loads(fn["arguments"])
@@ -47,10 +47,11 @@ def _tool_call(tc: dict[str, Any]) -> dict[str, Any]:
 
 def _message(m: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in m.items() if v is not None}
-    if out.get("tool_calls"):
-        out["tool_calls"] = [_tool_call(tc) for tc in out["tool_calls"] if isinstance(tc, dict)]
-    elif "tool_calls" in out:
-        del out["tool_calls"]
+    calls = out.get("tool_calls")
+    if calls and isinstance(calls, list):  # tool calls the assembly could not read are left out (it counted them)
+        out["tool_calls"] = [_tool_call(tc) for tc in calls if isinstance(tc, dict) and isinstance(tc.get("function"), dict)]
+    if not out.get("tool_calls"):
+        out.pop("tool_calls", None)
     return out
 
 
@@ -90,8 +91,14 @@ def chat_examples(store: Any, *, mode: str | None = None, agents: str | Sequence
                 continue
             example: dict[str, Any] = {"messages": [_message(m) for m in [*call.input_messages, *call.output_messages]]}
             tools = tools_of.get(call.span_id)
-            if tools:
-                example["tools"] = json.loads(tools) if isinstance(tools, str) else tools
+            if isinstance(tools, str):
+                try:
+                    tools = json.loads(tools)
+                except json.JSONDecodeError:
+                    stats.skip("tool definitions not JSON (left out)")
+                    tools = None
+            if isinstance(tools, list) and tools:
+                example["tools"] = tools
             example.update(rollout_id=rollout.rollout_id, group_id=rollout.group_id, attempt=rollout.attempt,
                            agent=agent, reward=reward, policy_version=call.policy_version)
             examples.append(example)

@@ -35,13 +35,14 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from ..boundaries import safe_text
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
-from ..records import (PolicyRecord, QueueEntry, QueueStatus, Reward, Rollout, RolloutPage, RolloutQuery, RolloutStatus, Span,
-                       SpanRow)
+from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, QueueStatus, Reward, Rollout, RolloutPage,
+                       RolloutQuery, RolloutStatus, Span, SpanRow)
 from ..settings import Settings
 from . import wire
-from .base import Store
+from .base import Store, check_count, check_position
 from .lifecycle import track
 from .spill import SpillFiles
 from .writer import BackgroundWriter
@@ -68,6 +69,13 @@ class _Rejected(Exception):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
+        self.invalid_ops: list[int] | None = None  # the ops the server named (a refused batch), if it did
+        try:
+            named = orjson.loads(body).get("invalid_ops")
+        except (orjson.JSONDecodeError, AttributeError):
+            named = None
+        if isinstance(named, list) and named and all(isinstance(i, int) and not isinstance(i, bool) for i in named):
+            self.invalid_ops = named
 
 
 def _default_spill_dir(url: str) -> Path:
@@ -81,7 +89,7 @@ def _default_spill_dir(url: str) -> Path:
 class HttpStore(Store):
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 10.0, retry_for: float = 60.0,
                  spill_dir: str | os.PathLike[str] | None = None, queue_size: int | None = None,
-                 batch_ops: int = wire.CLIENT_BATCH_OPS) -> None:
+                 batch_ops: int = wire.CLIENT_BATCH_OPS, read_only: bool = False) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError(f"store URL {url!r} is not an http(s)://host:port URL of `lightning-rl store serve`")
@@ -96,13 +104,22 @@ class HttpStore(Store):
         self._retry_for = retry_for
         self._batch_ops = max(1, min(batch_ops, wire.MAX_BATCH_OPS))
         self._spill = SpillFiles(Path(spill_dir) if spill_dir else _default_spill_dir(self.url))
-        self._spill.adopt_orphans()
+        self.read_only = read_only
         self._closed = False
         self.latencies: list[float] = []  # seconds per accepted batch request (bench and reliability figures)
         self._lat_lock = threading.Lock()
         self._queue_size = queue_size or Settings.from_env().queue_size
+        if read_only:  # the viewer: no writer, and nobody's spill files are adopted or replayed
+            self._writer = None
+            return
+        self._spill.adopt_orphans()
         self._start_threads()
         track(self)
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise StoreError(f"{what}: the store {self.url} was opened read-only (the viewer's mode); open it with "
+                             "open_store(url) to write")
 
     def _start_threads(self) -> None:
         self._writer = BackgroundWriter(self._send, maxsize=self._queue_size, name=f"lightning-rl-http:{self.url}")
@@ -120,20 +137,24 @@ class HttpStore(Store):
 
     # -- sink ------------------------------------------------------------------------------------
     def start_rollout(self, rollout: Rollout) -> None:
-        self._writer.put("op", wire.encode_rollout(rollout))
+        self._writable("start_rollout")
+        self._writer.put("rollout", rollout)  # encoded on the writer thread, as every op
 
     def write_span(self, row: SpanRow) -> None:
+        self._writable("write_span")
         self._writer.put("span", row)  # encoded on the writer thread, off the agent's path
 
     def write_reward(self, reward: Reward) -> None:
-        self._writer.put("op", wire.encode_reward(reward))
+        self._writable("write_reward")
+        self._writer.put("reward", reward)
 
     def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
                        policy_version: int | None = None) -> None:
-        self._writer.put("op", wire.encode_finish(rollout_id, status, end_time, error, policy_version))
+        self._writable("finish_rollout")
+        self._writer.put("finish", (rollout_id, status, end_time, error, policy_version))
 
     def flush(self, timeout: float | None = None) -> bool:
-        if self._closed:
+        if self._closed or self._writer is None:
             return True
         return self._writer.flush(timeout)
 
@@ -143,6 +164,9 @@ class HttpStore(Store):
         if self._closed:
             return
         self._closed = True
+        if self._writer is None:  # read-only
+            self._client.close()
+            return
         self._stop.set()
         self._writer.close()
         if self._spill.files:
@@ -165,8 +189,17 @@ class HttpStore(Store):
                     return  # closed
 
     def _send(self, items: list[tuple[str, Any]]) -> None:
-        """Send one writer batch, or spill it. Never raises: every op ends on the server or on disk."""
-        ops = [wire.encode_span(p) if kind == "span" else p for kind, p in items if kind != "replay"]
+        """Send one writer batch, or spill it. Never raises: every op ends on the server or on disk (a
+        record that cannot even be encoded is kept in a ``rejected-*`` file with the reason)."""
+        ops = []
+        for kind, payload in items:
+            if kind == "replay":
+                continue
+            try:
+                ops.append(_ENCODERS[kind](payload))
+            except Exception as exc:  # JSON cannot hold it: set aside, described, never retried
+                self._set_aside([orjson.dumps({"op": kind, "unencodable": safe_text(payload)})],
+                                f"{kind} could not be encoded: {type(exc).__name__}: {exc}")
         if self._spill.files and not self._replay():
             if ops:
                 self._spill.append(ops)
@@ -222,14 +255,25 @@ class HttpStore(Store):
             try:
                 self._post_batch(batch, timeout=timeout, budget=budget)
             except _Rejected as exc:
-                if exc.status == 413 and len(batch) > 1:
+                named = [i for i in exc.invalid_ops or () if 0 <= i < len(batch)]
+                if named and len(named) < len(batch):  # set aside the ops the server named; send the rest again
+                    self._set_aside([batch[i] for i in named], str(exc))
+                    bad = set(named)
+                    self._post_ops([op for i, op in enumerate(batch) if i not in bad], timeout=timeout, budget=budget)
+                    continue
+                if exc.status in (413, 422) and len(batch) > 1:  # too big, or the server did not say which op
                     half = len(batch) // 2
                     self._post_ops(batch[:half], timeout=timeout, budget=budget)
                     self._post_ops(batch[half:], timeout=timeout, budget=budget)
                     continue
-                where = self._spill.reject(batch, str(exc))
-                report_failure("store server refused a batch", message=(
-                    f"lightning-rl: the store server refused {len(batch)} records ({exc}); kept in {where}"))
+                self._set_aside(batch, str(exc))
+
+    def _set_aside(self, ops: list[bytes], reason: str) -> None:
+        """Ops the server refused (or that cannot be encoded) in a ``rejected-*`` file with the reason."""
+        where = self._spill.reject(ops, reason)
+        report_failure("store server refused a batch", message=(
+            f"lightning-rl: the store server refused {len(ops)} records ({reason[:500]}); kept in {where}, "
+            "the rest of their batch was sent (logged once; counted as rejected_ops)"))
 
     def _post_batch(self, ops: list[bytes], *, timeout: httpx.Timeout, budget: float) -> None:
         """POST one batch, retrying within ``budget`` seconds (each request under ``timeout``)."""
@@ -300,10 +344,15 @@ class HttpStore(Store):
     def _get_rewards(self, rollout_id: str) -> list[Reward]:
         return wire.REWARDS.validate_python(self._request("GET", f"/rollouts/{_quote(rollout_id)}/rewards"))
 
+    def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
+        return [QuarantinedRecord.model_validate(q) for q in self._request("GET", "/quarantine", params={"limit": limit})]
+
     def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
         raise NotImplementedError  # rewarded_since is one request
 
     def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
+        check_position(after)
+        check_count(limit, "limit")
         self.flush()
         data = wire.RewardedSince.model_validate(
             self._request("GET", "/rewards", params=dict(after=after, name=name, limit=limit)))
@@ -336,6 +385,7 @@ class HttpStore(Store):
     def add_spans(self, spans: list[Span]) -> None:
         """Ingest spans recorded elsewhere, after everything written before; on the server (or in a
         spill file) on return."""
+        self._writable("add_spans")
         self._writer.put_many([("op", orjson.dumps({"op": "span", "span": s.model_dump(mode="json")})) for s in spans])
         if not self.flush(Settings.from_env().flush_timeout):
             raise StoreError(f"{len(spans)} spans are queued but were not sent to {self.url} in time")
@@ -407,6 +457,16 @@ class HttpStore(Store):
 
     def _queue_txn(self, fn):
         raise NotImplementedError("the task queue of an HttpStore runs on the server")
+
+
+#: How the writer thread encodes each kind of item as a wire op (``op``: encoded already).
+_ENCODERS = {
+    "op": lambda payload: payload,
+    "span": wire.encode_span,
+    "rollout": wire.encode_rollout,
+    "reward": wire.encode_reward,
+    "finish": lambda payload: wire.encode_finish(*payload),
+}
 
 
 def _quote(rollout_id: str) -> str:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 from ..diagnostics import count
-from ..records import PolicyRecord, QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow, allowed_from
+from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow,
+                       allowed_from)
 from .base import Store
+from .quarantine import describe, record_problem
 from .rows import legacy_span_values, span_from_values, span_record_values, span_values
 
 
@@ -22,6 +26,7 @@ class InMemoryStore(Store):
         self._policies: list[PolicyRecord] = []
         self._queue: dict[str, QueueEntry] = {}
         self._qlock = threading.Lock()
+        self._quarantine: list[QuarantinedRecord] = []
 
     # sink
     def start_rollout(self, rollout: Rollout) -> None:
@@ -29,9 +34,24 @@ class InMemoryStore(Store):
             self._rollouts.setdefault(rollout.rollout_id, rollout.model_copy())
 
     def write_span(self, row: SpanRow) -> None:
+        problem = record_problem("span", row)
+        if problem:  # what a SQLite store could not hold is set aside here too: one contract
+            self._set_aside("span", row, ValueError(problem))
+            return
         span = span_from_values(span_values(row))  # the same JSON round trip as the SQLite store
         with self._lock:
             self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+
+    def _set_aside(self, kind: str, payload: Any, exc: BaseException) -> None:
+        rollout_id, reason, text = describe(kind, payload, exc)
+        with self._lock:
+            self._quarantine.append(QuarantinedRecord(quarantine_id=len(self._quarantine) + 1, time=time.time(),
+                                                      kind=kind, rollout_id=rollout_id, reason=reason, payload=text))
+        count("records_quarantined")
+
+    def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
+        with self._lock:
+            return list(reversed(self._quarantine))[:limit]
 
     def write_reward(self, reward: Reward) -> None:
         with self._lock:
@@ -66,6 +86,10 @@ class InMemoryStore(Store):
             if kind == "rollout":
                 self.start_rollout(payload)
             elif kind == "span_values":
+                problem = record_problem(kind, payload)
+                if problem:
+                    self._set_aside(kind, payload, ValueError(problem))
+                    continue
                 self._add_span(span_from_values(legacy_span_values(payload)))
             elif kind == "reward":
                 self.write_reward(payload)

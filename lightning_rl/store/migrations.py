@@ -220,3 +220,17 @@ def _rollout_origin(db: sqlite_utils.Database) -> None:
         db["rollouts"].create_index(["start_time"], index_name="rollouts_start")
     if "rollouts_status_start" not in indexes:  # running rollouts (the orphan sweep), status filters
         db["rollouts"].create_index(["status", "start_time"], index_name="rollouts_status_start")
+
+
+@migration(9, "quarantine: records that could not be written, with the reason and their original form")
+def _quarantine(db: sqlite_utils.Database) -> None:
+    if "quarantine" in db.table_names():
+        return
+    db["quarantine"].create(
+        {"quarantine_id": int, "time": float, "kind": str, "rollout_id": str, "reason": str, "payload": str,
+         "digest": str},
+        pk="quarantine_id",
+        not_null={"time", "kind", "reason", "payload", "digest"},
+    )
+    # A batch retried after a lock can meet the same bad record again: it is kept once.
+    db["quarantine"].create_index(["digest"], index_name="quarantine_digest", unique=True)

@@ -8,7 +8,8 @@ from typing import Any
 import orjson
 
 from .. import semconv
-from ..diagnostics import count
+from ..boundaries import storable
+from ..diagnostics import count, report_failure
 from ..records import (
     SCHEMA_VERSION,
     PackedTokens,
@@ -40,11 +41,13 @@ REWARD_COLUMNS = ("rollout_id", "name", "value", "llm_call_index", "agent", "sou
 
 
 def _dumps(value: Any) -> str:
+    """JSON text of attributes or events; what JSON cannot hold (an object, an integer beyond 64 bits, a
+    value nested too deep) is stored in its safe form (``boundaries.storable``) and counted."""
     try:
         return orjson.dumps(value).decode()
     except TypeError:
-        count("attributes_serialized_with_repr")
-        return orjson.dumps(value, default=repr).decode()
+        count("attributes_made_storable")
+        return orjson.dumps(storable(value)).decode()
 
 
 def _events(events: Any) -> str | None:
@@ -141,6 +144,42 @@ def unspill_row(values: list) -> tuple:
     return tuple(row)
 
 
+#: Writer items as spill-file lines: ``{"kind": ..., "payload": ...}``, one per line. Spans go with their
+#: packed token columns as base64 (``span_packed``); ``span_values`` lines (plain JSON rows) come from
+#: versions before packed tokens; ``quarantine`` lines hold a record that could not even be spilled as it
+#: was (its description, for the quarantine table).
+SPILL_KINDS = ("rollout", "span_packed", "span_values", "reward", "finish", "expire", "quarantine")
+
+
+def spill_line(kind: str, payload: Any) -> bytes:
+    """One writer item as a spill-file line (raises TypeError for a payload JSON cannot hold)."""
+    if kind == "span":
+        kind, payload = "span_values", span_values(payload)
+    if kind == "span_values":
+        kind, payload = "span_packed", spill_row(payload)
+    elif kind == "rollout" and isinstance(payload, Rollout):
+        payload = rollout_values(payload)
+    elif kind == "reward" and isinstance(payload, Reward):
+        payload = reward_values(payload)
+    return orjson.dumps({"kind": kind, "payload": payload})
+
+
+def spill_item(line: bytes) -> tuple[str, Any]:
+    """A spill-file line as a writer item; ValueError (naming what is wrong) for a line that is not one."""
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"the line is not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("kind") not in SPILL_KINDS or "payload" not in data:
+        kind = data.get("kind") if isinstance(data, dict) else None
+        raise ValueError(f"the line is not a record this version writes (kind {kind!r:.60}; known: "
+                         f"{', '.join(SPILL_KINDS)})")
+    kind, payload = data["kind"], data["payload"]
+    if kind == "span_packed":
+        return "span_values", unspill_row(payload)
+    return kind, payload
+
+
 def span_from_values(values: tuple | list, resolver: PromptResolver | None = None) -> Span:
     """A stored row as a :class:`Span`. Rows are this store's own (its schema is migrated on open):
     they are built, not validated again. Rows of one rollout go through one ``resolver``, in seq order."""
@@ -162,9 +201,35 @@ def span_from_values(values: tuple | list, resolver: PromptResolver | None = Non
 
 
 def spans_from_rows(rows: list[tuple]) -> list[Span]:
-    """One rollout's rows (in seq order) as spans, with prefix-shared prompts made whole."""
+    """One rollout's rows (in seq order) as spans, with prefix-shared prompts made whole. A row that
+    cannot be read (JSON or packed columns written by another version) is skipped and counted."""
     resolver = PromptResolver()
-    return [span_from_values(r, resolver) for r in rows]
+    spans = []
+    for row in rows:
+        try:
+            spans.append(span_from_values(row, resolver))
+        except Exception as exc:  # one row must not hide the rollout's others, nor fail a listing
+            _unreadable("span", row[0] if row else None, exc)
+    return spans
+
+
+def _unreadable(kind: str, rollout_id: Any, exc: BaseException) -> None:
+    count(f"{kind}_rows_unreadable")
+    report_failure(f"unreadable {kind} row", message=(
+        f"lightning-rl: a stored {kind} row (rollout {str(rollout_id)[:80]!r}) could not be read "
+        f"({type(exc).__name__}: {str(exc)[:200]}); it is skipped and counted ({kind}_rows_unreadable). "
+        "It was written by another version or changed by hand: `lightning-rl store doctor` lists the counts"))
+
+
+def rollouts_from_rows(rows: list[tuple]) -> list[Rollout]:
+    """Rollout rows as records; a row that is not a valid rollout is skipped and counted."""
+    found = []
+    for row in rows:
+        try:
+            found.append(rollout_from_values(row))
+        except Exception as exc:
+            _unreadable("rollout", row[0] if row else None, exc)
+    return found
 
 
 def rollout_values(r: Rollout) -> tuple:

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import gc
 import hmac
-import ipaddress
 import json
 import os
 import threading
-import time
 from collections import OrderedDict
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -31,31 +29,25 @@ from ..errors import ConfigurationError, LightningRLError, RolloutNotFoundError,
 
 try:
     import anyio
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Query, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import Response
 except ImportError as exc:  # the server is an extra; clients need only the core
     raise ConfigurationError(
         f"the store server needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
     ) from None
+from ..boundaries import INT64_MAX
 from ..diagnostics import counters
-from ..records import PolicyRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
+from ..records import PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
 from ..settings import check_synchronous
 from . import wire
 from .base import Store
+from .serving import ServerThread, is_loopback, uvicorn_options
 
 DEFAULT_MAX_BODY = 64 * 2**20
 OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 _KNOWN_CACHE = 200_000
 _OP_TAGS = ("start_rollout", "span", "reward", "finish_rollout")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -67,14 +59,23 @@ def _policy_json(record: PolicyRecord) -> dict[str, Any]:
     return record.model_dump(mode="json", exclude=None if record.trained_on is not None else {"trained_on"})
 
 
-def _problem(status: int, error: str, details: list[str] | None = None) -> Response:
-    return _json({"error": error, "details": details or []}, status)
+def _problem(status: int, error: str, details: list[str] | None = None,
+             invalid_ops: list[int] | None = None) -> Response:
+    body: dict[str, Any] = {"error": error, "details": details or []}
+    if invalid_ops is not None:  # a refused batch: which ops to set aside (the client sends the rest again)
+        body["invalid_ops"] = invalid_ops
+    return _json(body, status)
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, error: str, details: list[str] | None = None) -> None:
+    def __init__(self, status: int, error: str, details: list[str] | None = None,
+                 invalid_ops: list[int] | None = None) -> None:
         super().__init__(error)
-        self.response = _problem(status, error, details)
+        self.response = _problem(status, error, details, invalid_ops)
+
+
+#: An integer query parameter: a count, a position or a version, stored or compared in SQLite.
+QueryInt = Annotated[int, Query(ge=0, le=INT64_MAX)]
 
 
 def _validation_details(exc: ValidationError) -> list[str]:
@@ -97,8 +98,9 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         if any(e["type"] == "json_invalid" for e in exc.errors()):
             raise _Refused(400, "the request body is not valid JSON",
                            [e["msg"] for e in exc.errors(include_url=False)[:5]]) from None
-        raise _Refused(422, "the request body does not match the schema (see /openapi.json)",
-                       _validation_details(exc)) from None
+        details = _validation_details(exc)
+        raise _Refused(422, "the request body does not match the schema (see /openapi.json)", details,
+                       wire.op_indices(details) if model is wire.Batch else None) from None
 
 
 class _Guard:
@@ -234,6 +236,11 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     async def _invalid(request: Request, exc: ValidationError) -> Response:
         return _problem(422, "invalid value", _validation_details(exc))
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_query(request: Request, exc: RequestValidationError) -> Response:
+        details = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:20]]
+        return _problem(422, "invalid parameter", details)
+
     p = wire.API_PREFIX
 
     @app.get(f"{p}/health")
@@ -249,14 +256,16 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     async def batch(request: Request) -> Response:
         """Write ops (start_rollout, span, reward, finish_rollout) atomically and idempotently."""
         ops = (await body_of(request, wire.Batch)).ops
-        errors, started, referred = wire.check_ops(ops)
+        errors, started, referred, refers = wire.check_ops(ops)
         if errors:
-            raise _Refused(422, f"{len(errors)} invalid value(s) in the batch; nothing was written", errors)
+            raise _Refused(422, f"{len(errors)} invalid value(s) in the batch; nothing was written", errors,
+                           wire.op_indices(errors))
         missing = await anyio.to_thread.run_sync(unknown_rollouts, referred - started)
         if missing:
             shown = ", ".join(sorted(repr(m) for m in missing)[:10])
             raise _Refused(422, f"unknown rollout id(s) {shown}; send their start_rollout op first (in this "
-                                "or an earlier batch); nothing was written")
+                                "or an earlier batch); nothing was written", [],
+                           sorted(i for i, rid in refers.items() if rid in missing))
         await anyio.to_thread.run_sync(store.write_batch, wire.to_store_items(ops))
         remember(started)
         return _json({"accepted": len(ops)})
@@ -271,7 +280,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         return _json(reward.model_dump(mode="json"))
 
     @app.get(f"{p}/rewards", response_model=wire.RewardedSince)
-    async def rewarded_since(after: int = 0, name: str | None = None, limit: int = 10_000) -> Response:
+    async def rewarded_since(after: QueryInt = 0, name: str | None = None, limit: QueryInt = 10_000) -> Response:
         """Rollouts rewarded since position ``after`` (a continuous trainer's poll)."""
         ids, position = await anyio.to_thread.run_sync(lambda: store.rewarded_since(after, name=name, limit=limit))
         return _json({"rollout_ids": ids, "position": position})
@@ -292,7 +301,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
 
     @app.get(f"{p}/rollouts", response_model=list[Rollout])
     async def rollouts(mode: str | None = None, status: str | None = None, since: float | None = None,
-                       min_policy_version: int | None = None, limit: int | None = None,
+                       min_policy_version: QueryInt | None = None, limit: QueryInt | None = None,
                        newest_first: bool = False) -> Response:
         found = await anyio.to_thread.run_sync(lambda: store.rollouts(
             mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit,
@@ -333,6 +342,12 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         data = await anyio.to_thread.run_sync(store.rollout_data, ids)
         return _json([{"rollout": r.model_dump(mode="json"), "spans": [s.model_dump(mode="json") for s in sp],
                        "rewards": [w.model_dump(mode="json") for w in rw]} for r, sp, rw in data])
+
+    @app.get(f"{p}/quarantine", response_model=list[QuarantinedRecord])
+    async def quarantine(limit: QueryInt = 1000) -> Response:
+        """Records the store set aside because they could not be written (newest first, with the reason)."""
+        found = await anyio.to_thread.run_sync(lambda: store.quarantined(limit=limit))
+        return _json([q.model_dump(mode="json") for q in found])
 
     @app.post(f"{p}/queue/enqueue", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.EnqueueIn))
     async def enqueue(request: Request) -> Response:
@@ -418,40 +433,7 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
     os.environ[_ENV_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
                                           "synchronous": check_synchronous(synchronous)})
     uvicorn.run(f"{__name__}:_worker_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level, access_log=False, timeout_graceful_shutdown=10)
-
-
-class ServerThread:
-    """An ASGI app served by uvicorn on a thread of this process, on a socket bound at construction
-    (so ``port`` and ``url`` are known before it starts). Port 0 picks a free port."""
-
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "lightning-rl-server") -> None:
-        import socket
-
-        import uvicorn
-
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
-        self.port = self._socket.getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name=name, daemon=True)
-
-    def start(self, what: str) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise StoreError(f"{what} on {self.url} did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(30)
-        self._socket.close()
+                log_level=log_level, timeout_graceful_shutdown=10, **uvicorn_options())
 
 
 class BackgroundServer:

@@ -5,10 +5,15 @@
 * A finishing rollout flushes, so it is on disk before the traced call returns.
 * Several processes may write one file: WAL, ``BEGIN IMMEDIATE`` and a busy timeout; a retried
   batch cannot duplicate spans (unique ``(rollout_id, seq)``).
-* A batch that cannot be written for ``give_up_after`` seconds is spilled to
-  ``<db>.spill/*.jsonl``, and so is everything after it, in order, until the writer has replayed
-  the backlog (it tries every second while the store is open). A store opened later adopts the
-  spill files of processes that are gone.
+* A batch that cannot be written for ``give_up_after`` seconds (the file is locked, full, away) is
+  spilled to ``<db>.spill/*.jsonl``, and so is everything after it, in order, until the writer has
+  replayed the backlog (it tries every second while the store is open). A store opened later adopts
+  the spill files of processes that are gone.
+* A record that cannot be written for a reason in its own data (a value SQLite cannot bind, a spill
+  line from another version) goes to the ``quarantine`` table with the reason and its original form;
+  the rest of its batch is written (``quarantine.py``). Nothing is retried that can never succeed.
+* ``read_only=True`` (the viewer): no writer, no migration, no spill adoption or replay; the
+  connections are ``query_only``.
 * Files that are not lightning-rl stores, or come from a newer schema, are refused untouched.
 """
 
@@ -24,12 +29,14 @@ import orjson
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
-from ..records import (PolicyRecord, Reward, Rollout, RolloutPage, RolloutQuery, RolloutRow, RolloutStatus, Span,
-                       SpanRow, allowed_from)
+from ..records import (PolicyRecord, QuarantinedRecord, Reward, Rollout, RolloutPage, RolloutQuery, RolloutRow,
+                       RolloutStatus, Span, SpanRow, allowed_from)
 from ..settings import Settings, check_synchronous
 from .base import Store
 from .lifecycle import track
-from .migrations import check_is_store, migrate
+from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
+from .migrations import latest_version, migrate
+from .quarantine import describe, insert_quarantine, is_record_error, read_quarantine
 from .rows import (
     QUEUE_COLUMNS,
     REWARD_COLUMNS,
@@ -41,13 +48,13 @@ from .rows import (
     reward_from_values,
     reward_values,
     full_rollout_values,
-    rollout_from_values,
     rollout_values,
+    rollouts_from_rows,
     span_record_values,
     span_values,
     spans_from_rows,
-    spill_row,
-    unspill_row,
+    spill_item,
+    spill_line,
 )
 from .spill import SpillFiles
 from .tokens import PrefixSharer
@@ -75,61 +82,20 @@ def _insert_many(conn: sqlite3.Connection, rows: list[tuple]) -> None:
         conn.executemany(_INSERT_SPAN, rows[full:])
 
 
-# Filesystem types on which SQLite's locking and WAL (shared memory) do not hold across machines.
-NETWORK_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "lustre", "gpfs", "beegfs", "glusterfs",
-    "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "fuse.cephfs",
-})
-MOUNTS = Path("/proc/mounts")
-
-
-def filesystem_type(path: str | os.PathLike[str], mounts: Path | None = None) -> str | None:
-    """The type of the filesystem that holds ``path`` (the longest mount point above it), if known."""
-    target = os.path.realpath(path)
-    best, kind = "", None
-    try:
-        lines = (mounts or MOUNTS).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, parts[2]
-    return kind
-
-
-def connect(path: str, busy_timeout: float = 30.0, synchronous: str = "normal") -> sqlite3.Connection:
-    """Open ``path`` as a lightning-rl store connection (refusing foreign files), WAL mode.
-
-    ``synchronous="normal"`` (the default): a commit survives the process being killed, not an OS
-    crash or a power loss; ``"full"``: it survives those too, for an fsync per commit."""
-    conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
-    try:
-        check_is_store(conn, path)
-        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {check_synchronous(synchronous).upper()}")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
 class SQLiteStore(Store):
     def __init__(
         self, path: str | os.PathLike[str], *, queue_size: int | None = None,
         give_up_after: float = 30.0, busy_timeout: float = 30.0, synchronous: str | None = None,
+        read_only: bool = False,
     ) -> None:
         path = os.fspath(path)
         if path in ("", ":memory:"):
             raise ConfigurationError(
                 f"SQLiteStore needs a file path, got {path!r}; use InMemoryStore (memory://) for a store in memory"
             )
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
+        if not read_only:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.url = f"sqlite:///{path}"
         settings = Settings.from_env()
@@ -150,6 +116,9 @@ class SQLiteStore(Store):
         track(self)
 
     def _open(self) -> None:
+        if self.read_only:
+            self._open_read_only()
+            return
         self._wconn = connect(self.path, self._busy_timeout, self.synchronous)
         try:
             migrate(self._wconn, self.path)
@@ -166,31 +135,58 @@ class SQLiteStore(Store):
         self._writer = BackgroundWriter(
             self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",
             spill=self._spill, replay=self._replay, backlog=lambda: bool(self._spills.files),
-            give_up_after=self._give_up_after,
+            give_up_after=self._give_up_after, quarantine=self._quarantine, is_record_error=is_record_error,
         )
         if self._spills.files:
             self._writer.flush(0)  # wakes the writer, which writes the backlog back first
 
+    def _open_read_only(self) -> None:
+        conn = connect(self.path, self._busy_timeout, read_only=True)
+        version, latest = conn.execute("PRAGMA user_version").fetchone()[0], latest_version()
+        if version != latest:
+            conn.close()
+            if version > latest:
+                migrate(conn, self.path)  # raises SchemaTooNewError, naming the upgrade  # pragma: no cover
+            raise StoreError(
+                f"{self.path!r} has store schema {version}, older than this lightning-rl's ({latest}); a read-only "
+                f"open does not migrate it. Run `lightning-rl store migrate --store {self.path}` once (it upgrades "
+                "the file in place), then open it again")
+        self._rconn, self._rlock = conn, threading.Lock()
+        self._wconn = self._qconn = None
+        self._qlock = threading.Lock()
+        self._writer = None
+        self._spills = SpillFiles(Path(self.path + ".spill"))  # never adopted, never replayed: only listed
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise StoreError(f"{what}: the store {self.path!r} was opened read-only (the viewer's mode); open it "
+                             "with open_store(url) to write")
+
     # -- sink (called by the tracer; never blocks except for back-pressure) -------------------------
     def start_rollout(self, rollout: Rollout) -> None:
+        self._writable("start_rollout")
         self._writer.put("rollout", rollout)
 
     def write_span(self, row: SpanRow) -> None:
+        self._writable("write_span")
         self._writer.put("span", row)
 
     def write_reward(self, reward: Reward) -> None:
+        self._writable("write_reward")
         self._writer.put("reward", reward)
 
     def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
                        policy_version: int | None = None) -> None:
+        self._writable("finish_rollout")
         self._writer.put("finish", (rollout_id, RolloutStatus(status).value, end_time, error, policy_version))
 
     def expire_rollout(self, entry, reason: str) -> None:
+        self._writable("expire_rollout")
         tombstone = self._tombstone(entry, reason)
         self._writer.put("expire", (rollout_values(tombstone), tombstone.end_time, reason))
 
     def flush(self, timeout: float | None = None) -> bool:
-        if self._closed:
+        if self._closed or self._writer is None:
             return True
         return self._writer.flush(timeout)
 
@@ -198,6 +194,7 @@ class SQLiteStore(Store):
         """The store server's write path: returns once the items are in the database. Items kept in a
         spill file (the database is unwritable) are not acknowledged: StoreError, and the client retries
         (idempotently) after the backlog has been written back, so no later op overtakes them."""
+        self._writable("write_batch")
         self._writer.put_many(items)
         if not self._writer.flush_applied(Settings.from_env().flush_timeout):
             raise StoreError(f"{len(items)} records are not in {self.path!r} yet (the database could not be written; "
@@ -205,6 +202,10 @@ class SQLiteStore(Store):
 
     @property
     def spill_files(self) -> list[Path]:
+        """Spill files waiting to be written back (read-only: every one in the folder, whoever owns it)."""
+        if self.read_only:
+            folder = self._spills.folder
+            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
         return list(self._spills.files)
 
     @property
@@ -232,6 +233,9 @@ class SQLiteStore(Store):
         if self._closed:
             return
         self._closed = True
+        if self._writer is None:  # read-only
+            self._rconn.close()
+            return
         self._writer.close()
         if self._spills.files:
             try:
@@ -247,7 +251,7 @@ class SQLiteStore(Store):
 
     # -- the writer thread ------------------------------------------------------------------------
     def _apply(self, items: list[tuple[str, Any]]) -> None:
-        rollouts, spans, rewards, finishes, expires = [], [], [], [], []
+        rollouts, spans, rewards, finishes, expires, quarantined = [], [], [], [], [], []
         share = self._sharer.share
         for kind, payload in items:
             if kind == "span":
@@ -262,6 +266,10 @@ class SQLiteStore(Store):
                 finishes.append(tuple(payload))
             elif kind == "expire":
                 expires.append(payload)
+            elif kind == "quarantine":  # set aside while spilling (it could not even be spilled as it was)
+                quarantined.append(payload)
+            else:  # a record kind this version does not know (a spill line of another version)
+                raise ValueError(f"unknown record kind {kind!r:.60}")
         conn = self._wconn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -285,6 +293,8 @@ class SQLiteStore(Store):
                 conn.execute(_INSERT_ROLLOUT, full_rollout_values(values))
                 conn.execute("UPDATE rollouts SET status = ?, end_time = ?, error = ? WHERE rollout_id = ? AND status != ?",
                              (RolloutStatus.TIMED_OUT.value, end_time, reason, values[0], RolloutStatus.TIMED_OUT.value))
+            for rollout_id, reason, text, kind in quarantined:
+                insert_quarantine(conn, kind, rollout_id, reason, text)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -296,30 +306,67 @@ class SQLiteStore(Store):
     def _spill(self, items: list[tuple[str, Any]]) -> None:
         lines = []
         for kind, payload in items:
-            if kind == "span":
-                kind, payload = "span_values", span_values(payload)
-            if kind == "span_values":  # packed token columns as base64 text in the JSON line
-                kind, payload = "span_packed", spill_row(payload)
-            elif kind == "rollout" and isinstance(payload, Rollout):
-                payload = rollout_values(payload)
-            elif kind == "reward" and isinstance(payload, Reward):
-                payload = reward_values(payload)
-            lines.append(orjson.dumps({"kind": kind, "payload": payload}))
+            try:
+                lines.append(spill_line(kind, payload))
+            except Exception as exc:  # JSON cannot hold it: it waits, described, for the quarantine table
+                rollout_id, reason, text = describe(kind, payload, exc)
+                lines.append(spill_line("quarantine", [rollout_id, reason, text, kind]))
         self._spills.append(lines)
         report_failure("spill", message=f"lightning-rl: store {self.path!r} unwritable; records spilled to "
                                         f"{self._spills.folder} (written back, in order, when it can be)")
 
     def _replay(self) -> bool:
-        """Write the spill files back, oldest first (writer thread). True when none is left."""
+        """Write the spill files back, oldest first (writer thread). True when none is left. A line that
+        is not a record this version can write (another version's, damaged) is quarantined, and so is a
+        record the database refuses; everything else is written. Raises only while the file is unwritable."""
         while self._spills.files:
             path = self._spills.files[0]
-            items = [(d["kind"], d["payload"]) if d["kind"] != "span_packed" else ("span_values", unspill_row(d["payload"]))
-                     for d in map(orjson.loads, SpillFiles.read(path))]
-            self._apply(items)
+            items = []
+            for number, line in enumerate(SpillFiles.read(path), 1):
+                try:
+                    items.append(spill_item(line))
+                except Exception as exc:  # not JSON, an unknown kind, a payload of another shape
+                    text = line.decode(errors="replace")
+                    items.append(("quarantine", [None, f"line {number} of spill file {path.name}: {exc}", text[:100_000],
+                                                 "spill line"]))
+            self._writer.write(items)
             path.unlink()
             self._spills.files.pop(0)
             count("spill_files_replayed")
         return True
+
+    # -- the quarantine ---------------------------------------------------------------------------
+    def _quarantine(self, item: tuple[str, Any], exc: BaseException) -> None:
+        """Set aside one record the database refused for its own data (the writer's isolation)."""
+        kind, payload = item
+        if kind == "quarantine":  # its own row failed: store the description alone
+            rollout_id, reason, text, kind = (list(payload) + [None] * 4)[:4] if isinstance(payload, list) else \
+                (None, f"{type(exc).__name__}: {exc}", repr(payload)[:10_000], "quarantine")
+        else:
+            rollout_id, reason, text = describe(kind, payload, exc)
+        if kind == "span":
+            self._sharer.drop(payload.rollout_id, payload.seq)
+        elif kind == "span_values" and isinstance(payload, (list, tuple)) and len(payload) > 1:
+            self._sharer.drop(payload[0], payload[1])
+        conn = self._wconn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            added = insert_quarantine(conn, str(kind), rollout_id, str(reason), str(text))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        if added:
+            count("records_quarantined")
+            report_failure("record quarantined", message=(
+                f"lightning-rl: a {kind} record could not be written to {self.path!r} ({reason[:300]}); it is kept in "
+                "the store's quarantine with its original form and the rest of its batch was written. "
+                f"`lightning-rl store doctor --store {self.path}` lists what is there (logged once)"))
+
+    def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
+        with self._rlock:
+            return read_quarantine(self._rconn, limit)
 
     def _after_fork(self) -> None:
         """In a forked child: fresh connections and writer; the parent writes what it had queued."""
@@ -329,6 +376,17 @@ class SQLiteStore(Store):
 
     # -- task queue: synchronous, atomic across processes ------------------------------------------
     def _queue_txn(self, fn):
+        if self.read_only:  # reads of the queue only; a write is refused by query_only, said as read-only
+            with self._rlock:
+                conn = self._rconn
+                conn.execute("BEGIN")
+                try:
+                    return fn(_SQLiteQueueView(conn))
+                except sqlite3.OperationalError as exc:
+                    self._writable(f"the task queue ({exc})")
+                    raise
+                finally:
+                    conn.execute("ROLLBACK")
         with self._qlock:
             conn = self._qconn
             conn.execute("BEGIN IMMEDIATE")
@@ -348,7 +406,8 @@ class SQLiteStore(Store):
 
     def _get_rollout(self, rollout_id: str) -> Rollout | None:
         rows = self._read(f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM rollouts WHERE rollout_id = ?", (rollout_id,))
-        return rollout_from_values(rows[0]) if rows else None
+        found = rollouts_from_rows(rows)
+        return found[0] if found else None
 
     def _query_rollouts(self, *, mode, status, since, min_policy_version, limit, newest_first) -> list[Rollout]:
         where, params = [], []
@@ -364,7 +423,7 @@ class SQLiteStore(Store):
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
-        return [rollout_from_values(r) for r in self._read(sql, tuple(params))]
+        return rollouts_from_rows(self._read(sql, tuple(params)))
 
     def _rollout_page(self, query: RolloutQuery) -> RolloutPage:
         """In SQL: filters on the rollouts' columns (indexed by mode and start), the reward sum joined
@@ -410,8 +469,9 @@ class SQLiteStore(Store):
                 rewards = {rid: (total_, count_) for rid, total_, count_ in self._rconn.execute(
                     f"SELECT rollout_id, SUM(value), COUNT(*) FROM rewards WHERE name = 'reward' AND rollout_id IN "
                     f"({marks}) GROUP BY rollout_id", ids).fetchall()} if ids else {}
-        rows = [RolloutRow(rollout=rollout_from_values(row[:n]), reward=rewards.get(row[0], (None, 0))[0],
-                           rewards=rewards.get(row[0], (None, 0))[1]) for row in found]
+        rows = [RolloutRow(rollout=rollout, reward=rewards.get(rollout.rollout_id, (None, 0))[0],
+                           rewards=rewards.get(rollout.rollout_id, (None, 0))[1])
+                for rollout in rollouts_from_rows([row[:n] for row in found])]
         return RolloutPage(rows=rows, total=total)
 
     def _last_activity(self, rollout: Rollout) -> float:

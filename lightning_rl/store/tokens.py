@@ -93,6 +93,15 @@ class PrefixSharer:
             _, dropped = self._cache.popitem(last=False)
             self._bytes -= sum(len(f) for _, f in dropped)
 
+    def drop(self, rollout_id: str, seq: int) -> None:
+        """A span that will never be written (quarantined): no later prompt may refer to it."""
+        candidates = self._cache.get(rollout_id)
+        if not candidates:
+            return
+        kept = [(s, full) for s, full in candidates if s != seq]
+        self._bytes -= sum(len(full) for s, full in candidates if s == seq)
+        self._cache[rollout_id] = kept
+
     def forget(self, rollout_id: str) -> None:
         """The rollout finished: its sequences are no longer needed."""
         dropped = self._cache.pop(rollout_id, None)

@@ -45,10 +45,11 @@ def same_store(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     return where_a == where_b
 
 
-def open_store(url: str | os.PathLike[str] | None = None) -> Store:
+def open_store(url: str | os.PathLike[str] | None = None, *, read_only: bool = False) -> Store:
     """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, ``memory://``, or
     ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``).
-    Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``."""
+    Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``. ``read_only``: for readers that
+    must change nothing (the viewer): no file is created or migrated, no spill file adopted or replayed."""
     kind, where = _parse(url)
     if kind == "memory":
         from .memory_store import InMemoryStore
@@ -57,7 +58,7 @@ def open_store(url: str | os.PathLike[str] | None = None) -> Store:
     if kind == "http":
         from .http_store import HttpStore
 
-        return HttpStore(where)
+        return HttpStore(where, read_only=read_only)
     from .sqlite_store import SQLiteStore
 
-    return SQLiteStore(where)
+    return SQLiteStore(where, read_only=read_only)

@@ -24,6 +24,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .. import semconv as sc
+from ..boundaries import NonNegativeInt64, attribute_problems, json_problem
 from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span, SpanRow
 from .rows import OTEL_COLUMNS, span_record_values, span_values
 
@@ -113,7 +114,7 @@ class FinishRolloutOp(_Wire):
     end_time: float
     error: str | None = None
     #: The rollout's version, derived from its LLM calls when it ends (the oldest that served it).
-    policy_version: int | None = Field(None, ge=0)
+    policy_version: NonNegativeInt64 | None = None
 
 
 Op = Annotated[Union[StartRolloutOp, SpanOp, RewardOp, FinishRolloutOp], Field(discriminator="op")]
@@ -133,7 +134,7 @@ class RewardIn(_Wire):
     rollout_id: str
     value: float
     name: str = "reward"
-    llm_call_index: int | None = None
+    llm_call_index: NonNegativeInt64 | None = None
     agent: str | None = None
     source: RewardSource = RewardSource.FEEDBACK
     uid: str | None = Field(None, min_length=1, max_length=128)
@@ -172,7 +173,7 @@ class PolicyIn(_Wire):
     trained on the rollout groups ``trained_on``."""
 
     served_name: str = Field(min_length=1, max_length=256)
-    version: int = Field(ge=0)
+    version: NonNegativeInt64
     adapter: str | None = Field(None, max_length=4096)
     time: float | None = None
     # Lineage: the group ids this version was trained on, in batch order (absent from older clients).
@@ -237,6 +238,15 @@ def _check_span(span: Span, path: str, errors: list[str]) -> None:
     if not 0 <= span.start_ns <= span.end_ns:
         errors.append(f"{path}: need 0 <= start_ns <= end_ns, got {span.start_ns} and {span.end_ns}")
     attrs = span.attributes  # token ids and log-probs were type-checked while parsing
+    problem = json_problem(attrs, f"{path}.attributes")
+    if problem:
+        errors.append(problem)
+    else:
+        errors.extend(attribute_problems(attrs, f"{path}.attributes"))
+    if span.events:
+        problem = json_problem(span.events, f"{path}.events")
+        if problem:
+            errors.append(problem)
     logprobs, response = attrs.get(sc.RESPONSE_LOGPROBS), attrs.get(sc.RESPONSE_TOKEN_IDS)
     if logprobs is not None and response is not None and len(logprobs) != len(response):
         errors.append(f"{path}.attributes[{sc.RESPONSE_LOGPROBS!r}]: {len(logprobs)} log-probs for "
@@ -286,16 +296,18 @@ def _check_tokens(tokens: WireTokens, path: str, errors: list[str]) -> None:
         errors.append(f"{path}.tokens.logprobs: log-probs must be finite and <= 0")
 
 
-def check_ops(ops: list[Any]) -> tuple[list[str], set[str], set[str]]:
-    """Rules beyond types. Returns (errors, rollout ids started here, rollout ids referred to)."""
+def check_ops(ops: list[Any]) -> tuple[list[str], set[str], set[str], dict[int, str]]:
+    """Rules beyond types. Returns (errors, rollout ids started here, rollout ids referred to, and for
+    the rollout id each op refers to, by its index). Every error names its op as ``ops[i]``."""
     errors: list[str] = []
     started: set[str] = set()
     referred: set[str] = set()
+    refers: dict[int, str] = {}
     for i, op in enumerate(ops):
         path = f"ops[{i}]"
         if isinstance(op, SpanOp):
             _check_span(op.span, f"{path}.span", errors)
-            referred.add(op.span.rollout_id)
+            refers[i] = op.span.rollout_id
         elif isinstance(op, StartRolloutOp):
             r = op.rollout
             _check_id(r.rollout_id, f"{path}.rollout.rollout_id", errors)
@@ -303,20 +315,32 @@ def check_ops(ops: list[Any]) -> tuple[list[str], set[str], set[str]]:
                 errors.append(f"{path}.rollout.attempt: must be >= 0, got {r.attempt}")
             if not math.isfinite(r.start_time):
                 errors.append(f"{path}.rollout.start_time: must be a finite UNIX time")
+            problem = json_problem(r.task, f"{path}.rollout.task")
+            if problem:
+                errors.append(problem)
             started.add(r.rollout_id)
         elif isinstance(op, RewardOp):
             if op.reward.llm_call_index is not None and op.reward.llm_call_index < 0:
                 errors.append(f"{path}.reward.llm_call_index: must be >= 0, got {op.reward.llm_call_index}")
             if not math.isfinite(op.reward.time):
                 errors.append(f"{path}.reward.time: must be a finite UNIX time")
-            referred.add(op.reward.rollout_id)
+            refers[i] = op.reward.rollout_id
         elif isinstance(op, FinishRolloutOp):
             if not op.status.finished:
                 errors.append(f"{path}.status: a rollout finishes as succeeded, failed or timed_out, got {op.status.value!r}")
             if not math.isfinite(op.end_time):
                 errors.append(f"{path}.end_time: must be a finite UNIX time")
-            referred.add(op.rollout_id)
-    return errors, started, referred
+            refers[i] = op.rollout_id
+    referred.update(refers.values())
+    return errors, started, referred, refers
+
+
+_OP_INDEX = re.compile(r"ops\[(\d+)\]")
+
+
+def op_indices(messages: list[str]) -> list[int]:
+    """The ops that error messages name (``ops[i]...``), in order, each once."""
+    return sorted({int(m.group(1)) for text in messages for m in [_OP_INDEX.match(text)] if m})
 
 
 def to_store_items(ops: list[Any]) -> list[tuple[str, Any]]:

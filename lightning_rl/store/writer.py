@@ -9,6 +9,11 @@ Order is kept: once a batch is spilled, every later batch is spilled behind it u
 (tried every ``replay_every`` seconds, also while nothing new arrives) has written the backlog
 back. ``flush`` returns once everything put before it has been applied or spilled; ``flush_applied``
 says whether it was applied.
+
+Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
+away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
+cannot bind, a payload from another version) is not retried: it is split in halves, down to the
+records that fail on their own, which go to ``quarantine`` with the error; the rest is written.
 """
 
 from __future__ import annotations
@@ -46,8 +51,12 @@ class BackgroundWriter:
         give_up_after: float = 30.0,
         replay_every: float = 1.0,
         linger: float = 0.002,
+        quarantine: Callable[[tuple[str, Any], BaseException], None] | None = None,
+        is_record_error: Callable[[BaseException], bool] | None = None,
     ) -> None:
         self._apply = apply
+        self._quarantine = quarantine
+        self._is_record_error = is_record_error or (lambda exc: False)
         self._linger = linger
         self._linger_below = max(1, maxsize // 4)
         self._spill = spill
@@ -156,6 +165,23 @@ class BackgroundWriter:
                 # have to wake this thread (a flush marker still goes through within a few ms).
                 time.sleep(self._linger)
 
+    def write(self, items: list[tuple[str, Any]]) -> None:
+        """Apply ``items``, setting aside the records that fail for a reason in their own data (halves,
+        recursively, down to single records, which are quarantined). Raises what is not the records'
+        fault (the store cannot be written): the caller retries or spills, idempotently."""
+        try:
+            self._apply(items)
+            return
+        except Exception as exc:
+            if self._quarantine is None or not self._is_record_error(exc):
+                raise
+            if len(items) == 1:
+                self._quarantine(items[0], exc)  # counts it (once, however often a batch is retried)
+                return
+        half = len(items) // 2
+        self.write(items[:half])
+        self.write(items[half:])
+
     def _try_replay(self) -> bool:
         """Write the backlog back (at most every ``replay_every`` s). True when none is left."""
         if self._replay is None or not self._backlog():
@@ -190,7 +216,7 @@ class BackgroundWriter:
         delay = 0.02
         while items and not spilled:
             try:
-                self._apply(items)
+                self.write(items)
                 break
             except Exception as exc:
                 report_failure("store write", exc)

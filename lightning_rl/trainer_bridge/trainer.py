@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..diagnostics import counters
 from ..errors import ConfigurationError, UnknownNameError
 from ..records import RolloutStatus, Sample
 from ..store.base import Store
@@ -49,6 +50,17 @@ from .runner import LoopThread, Runner, run_in_processes
 from .sources import LiveGroups, SampleSource, StepBatch, read_groups
 
 BACKENDS = ("local",)
+
+
+#: This process's counters of records set aside, put on every metrics line (cumulative): a record the store
+#: quarantined, ops the store server refused, stored spans or rows the readers could not use.
+SET_ASIDE = ("records_quarantined", "rejected_ops", "malformed_spans_skipped", "malformed_span_fields",
+             "span_rows_unreadable", "rollout_rows_unreadable")
+
+
+def set_aside_counts() -> dict[str, int]:
+    found = counters()
+    return {name: found.get(name, 0) for name in SET_ASIDE}
 
 
 @dataclass
@@ -248,7 +260,8 @@ class Trainer:
                     else:
                         samples.append(sample)
         counts = {"outcomes": dict(batch.outcomes), **failures.as_metrics(), "prefix_splits": stats.splits,
-                  "calls_without_engine_ids": stats.missing_token_ids, "unrewarded_samples": stats.skipped_unrewarded}
+                  "calls_without_engine_ids": stats.missing_token_ids, "unrewarded_samples": stats.skipped_unrewarded,
+                  **set_aside_counts()}
         return samples, rewards, counts
 
     def evaluate(self, tasks: Sequence[Any] | None = None, *, n: int | None = None) -> float:
