@@ -36,6 +36,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import semconv
+from ..boundaries import INT64_MAX, MAX_JSON_DEPTH, json_problem, safe_text, storable
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, InvalidRewardError, check_reward
 from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
@@ -67,6 +68,12 @@ def rollout_overrides(**values: Any) -> Iterator[None]:
     sampling = values.get("sampling")
     if sampling is not None and (not isinstance(sampling, dict) or set(sampling) - SAMPLING_KEYS):
         raise ConfigurationError(f"sampling must be a dict with keys among {sorted(SAMPLING_KEYS)}, got {sampling!r}")
+    attempt = values.get("attempt")
+    if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= INT64_MAX):
+        raise ConfigurationError(f"attempt must be an int from 0 to 2**63-1, got {safe_text(attempt)}")
+    for key in ("rollout_id", "group_id"):
+        if values.get(key) is not None and (not isinstance(values[key], str) or not values[key]):
+            raise ConfigurationError(f"{key} must be a non-empty string, got {safe_text(values[key])}")
     token = _overrides.set({**(_overrides.get() or {}), **values})
     try:
         yield
@@ -90,15 +97,18 @@ def _json_default(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
-def _json_safe(value: Any, replaced: list[str]) -> Any:
-    """``value`` with everything JSON cannot hold replaced by a stand-in (listed in ``replaced``)."""
+def _json_safe(value: Any, replaced: list[str], depth: int = 0) -> Any:
+    """``value`` with everything JSON cannot hold replaced by a stand-in (listed in ``replaced``); the
+    walk stops at ``MAX_JSON_DEPTH`` (the caller records a task nested deeper in its safe form)."""
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
+    if depth > MAX_JSON_DEPTH:
+        return None
     if isinstance(value, dict):
-        return {k if isinstance(k, (str, int, float, bool)) or k is None else _stand_in(k): _json_safe(v, replaced)
-                for k, v in value.items()}
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else _stand_in(k):
+                _json_safe(v, replaced, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v, replaced) for v in value]
+        return [_json_safe(v, replaced, depth + 1) for v in value]
     try:
         return orjson.loads(orjson.dumps(value, default=_json_default))
     except TypeError:
@@ -152,18 +162,36 @@ def _task_value(opts: _Options, args: tuple, kwargs: dict) -> Any:
 
 
 def _task_of(opts: _Options, args: tuple, kwargs: dict) -> tuple[Any, bytes]:
+    """The task as stored and its JSON text. Never raises: a value JSON cannot hold becomes a stand-in,
+    an integer beyond 64 bits its decimal text, a task nested deeper than ``MAX_JSON_DEPTH`` the
+    (truncated) text of its repr; each logged once and counted."""
     value = _task_value(opts, args, kwargs)
     try:
         text = orjson.dumps(value, default=_json_default, option=_JSON_OPTIONS)
-    except TypeError:
+    except TypeError:  # objects JSON cannot hold, or nesting / integers orjson cannot write
         replaced: list[str] = []
-        text = orjson.dumps(_json_safe(value, replaced), option=_JSON_OPTIONS)
-        count("task_values_not_json")
-        report_failure(f"task of {opts.name} not JSON", message=(
-            f"lightning-rl: traced function {opts.name!r} got arguments JSON cannot store ({', '.join(sorted(set(replaced)))}); "
-            "its task records them as '<module.Class>'. Name the task with @trace(task=\"question\") (a parameter "
-            "name or a list of them) or @trace(task=lambda *args, **kwargs: ...)"))
-    return orjson.loads(text), text
+        value = _json_safe(value, replaced)
+        if replaced:
+            count("task_values_not_json")
+            report_failure(f"task of {opts.name} not JSON", message=(
+                f"lightning-rl: traced function {opts.name!r} got arguments JSON cannot store ({', '.join(sorted(set(replaced)))}); "
+                "its task records them as '<module.Class>'. Name the task with @trace(task=\"question\") (a parameter "
+                "name or a list of them) or @trace(task=lambda *args, **kwargs: ...)"))
+        try:
+            text = orjson.dumps(value, option=_JSON_OPTIONS)
+        except TypeError:
+            text = b""  # nested or numbered beyond what can be stored: made storable below
+    task = orjson.loads(text) if text else value
+    problem = json_problem(task, "task")
+    if problem is None:
+        return task, text
+    task = safe_text(task) if "nested deeper" in problem else storable(task)
+    count("task_values_made_storable")
+    report_failure(f"task of {opts.name} not storable", message=(
+        f"lightning-rl: the task of traced function {opts.name!r} cannot be stored as it is ({problem}); it is "
+        "recorded in a safe form (integers beyond 64 bits as text, a task nested too deep as its truncated repr). "
+        "Name the task with @trace(task=\"question\") or @trace(task=lambda *args, **kwargs: ...) (logged once)"))
+    return task, orjson.dumps(task, option=_JSON_OPTIONS)
 
 
 class _Active:
