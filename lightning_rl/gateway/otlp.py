@@ -9,13 +9,13 @@ and span ids are hex strings, not base64; they are converted before parsing.
 from __future__ import annotations
 
 import base64
-import gzip
 import zlib
 from types import SimpleNamespace
 from typing import Any
 
 import orjson
 
+from ..boundaries import INT64_MAX, attribute_problems, json_problem
 from ..errors import ConfigurationError, LightningRLError
 
 try:
@@ -65,22 +65,48 @@ def _hex_ids_to_base64(obj: Any) -> Any:
     return obj
 
 
-def decode(body: bytes, kind: str, encoding: str | None = None) -> list[dict[str, Any]]:
-    """The spans of an OTLP trace export request (``kind``: ``protobuf`` or ``json``)."""
-    try:
-        if encoding and encoding.lower() == "gzip":
-            body = gzip.decompress(body)
-        elif encoding and encoding.lower() == "deflate":
-            body = zlib.decompress(body)
-    except (OSError, zlib.error) as exc:
-        raise OTLPDecodeError(f"the body is not valid {encoding} ({exc})") from None
+class OTLPTooLarge(OTLPDecodeError):
+    """A compressed body that inflates beyond the limit (a compression bomb, or simply too much)."""
+
+
+def inflate(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """``body`` decompressed (gzip or deflate), never to more than ``limit`` bytes: the decompressor is
+    asked for ``limit + 1`` bytes at most, so a bomb costs ``limit`` bytes of memory, not its full size."""
+    if not encoding or encoding.lower() == "identity":
+        return body
+    name = encoding.lower()
+    if name not in ("gzip", "deflate"):
+        raise OTLPDecodeError(f"Content-Encoding {encoding!r:.40} is not supported; send gzip, deflate or none")
+    # gzip: a gzip header; deflate: HTTP's deflate is zlib-wrapped (wbits 15), some clients send it raw (-15)
+    attempts = (31,) if name == "gzip" else (15, -15)
+    for wbits in attempts:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            if wbits == attempts[-1]:
+                raise OTLPDecodeError(f"the body is not valid {encoding} ({exc})") from None
+            continue
+        if len(out) > limit:
+            raise OTLPTooLarge(f"the body decompressed ({encoding}) is over the gateway's limit of {limit} bytes; "
+                               "send smaller exports")
+        if not inflater.eof:
+            raise OTLPDecodeError(f"the body is not valid {encoding} (it ends before its compressed stream does)")
+        return out
+    raise OTLPDecodeError(f"the body is not valid {encoding}")  # pragma: no cover
+
+
+def decode(body: bytes, kind: str, encoding: str | None = None, limit: int = 16 * 2**20) -> list[dict[str, Any]]:
+    """The spans of an OTLP trace export request (``kind``: ``protobuf`` or ``json``), decompressed to at
+    most ``limit`` bytes."""
+    body = inflate(body, encoding, limit)
     request = ExportTraceServiceRequest()
     try:
         if kind == "json":
             json_format.ParseDict(_hex_ids_to_base64(orjson.loads(body)), request, ignore_unknown_fields=True)
         else:
             request.ParseFromString(body)
-    except (DecodeError, json_format.ParseError, orjson.JSONDecodeError, ValueError, TypeError) as exc:
+    except (DecodeError, json_format.ParseError, orjson.JSONDecodeError, ValueError, TypeError, RecursionError) as exc:
         raise OTLPDecodeError(f"the body is not an OTLP trace export request ({kind}): {exc}; send "
                               "ExportTraceServiceRequest as application/x-protobuf or application/json") from None
     spans = []
@@ -90,6 +116,7 @@ def decode(body: bytes, kind: str, encoding: str | None = None) -> list[dict[str
             for span in scope_spans.spans:
                 spans.append({
                     "name": span.name,
+                    "ids": (len(span.trace_id), len(span.span_id), len(span.parent_span_id)),
                     "span_id": int.from_bytes(span.span_id, "big") if span.span_id else 0,
                     "parent_id": int.from_bytes(span.parent_span_id, "big") if span.parent_span_id else None,
                     "kind": _KINDS.get(span.kind, "INTERNAL"),
@@ -102,6 +129,31 @@ def decode(body: bytes, kind: str, encoding: str | None = None) -> list[dict[str
                                                     attributes=_attributes(e.attributes)) for e in span.events),
                 })
     return spans
+
+
+def span_problems(spans: list[dict[str, Any]]) -> list[str]:
+    """What in decoded spans could not be stored or read (each named by the span's position and field):
+    times beyond 64 bits, ids of the wrong length, attributes of a type the assembly does not read."""
+    problems: list[str] = []
+    for i, span in enumerate(spans):
+        where = f"spans[{i}] ({span['name'][:40]!r})"
+        trace_len, span_len, parent_len = span["ids"]
+        if span_len != 8 or parent_len not in (0, 8) or trace_len not in (0, 16):
+            problems.append(f"{where}: spanId must be 8 bytes, parentSpanId 8 bytes or empty, traceId 16 bytes; "
+                            f"got {span_len}, {parent_len} and {trace_len}")
+        for field, value in (("startTimeUnixNano", span["start_ns"]), ("endTimeUnixNano", span["end_ns"])):
+            if value > INT64_MAX:
+                problems.append(f"{where}.{field}: {value} is beyond 2**63-1 ns (the year 2262); send UNIX nanoseconds")
+        for j, event in enumerate(span["events"]):
+            if event.timestamp > INT64_MAX:
+                problems.append(f"{where}.events[{j}].timeUnixNano: {event.timestamp} is beyond 2**63-1 ns")
+        problems.extend(f"{where}: {p}" for p in attribute_problems(span["attributes"]))
+        problem = json_problem(span["attributes"], f"{where}.attributes")
+        if problem:
+            problems.append(problem)
+        if len(problems) >= 50:
+            break
+    return problems
 
 
 def encode_answer(rejected: int, message: str, kind: str) -> bytes:

@@ -38,8 +38,15 @@ serve gets 502 and is recorded on the rollout as a failed call. Policy versions 
 tracer stamps them: from the publishes recorded in the store.
 
 Auth: with a token (required when bound beyond loopback), every route but health needs
-``Authorization: Bearer <token>``, except a rollout's own calls, rewards and finish, which its key
-also opens; a rollout key opens nothing else.
+``Authorization: Bearer <token>`` (``/openapi.json`` too), except a rollout's own calls, rewards,
+finish and spans, which its key also opens; a rollout key opens nothing else. Credentials are checked
+before a body is read or decompressed, compare as bytes, and a refused request is answered the same
+whether or not the rollout it names exists.
+
+Trust (``boundaries.py``): bodies are read up to ``max_body_bytes`` (also when chunked) and OTLP bodies
+decompressed up to the same; integers, nesting and the shapes the assembly reads (messages, tool
+calls, span attributes) are checked before anything is forwarded or stored: a request that fails is
+answered 4xx naming the field and the limit, and nothing of it is recorded.
 """
 
 from __future__ import annotations
@@ -47,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import hmac
 import math
 import os
 import re
@@ -65,6 +71,7 @@ import orjson
 
 from .. import semconv
 from ..adapters.openai import LLMCall, _refused_token_fields, _resend_without_token_fields
+from ..boundaries import INT64_MAX, header_secret, json_problem, message_problems, safe_text, secret_matches
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, InvalidRewardError, LightningRLError, check_reward
 from ..records import Reward, RewardSource, Rollout, RolloutStatus, SpanRow
@@ -205,9 +212,12 @@ class Gateway:
         if self.token is None:
             return
         given = self._bearer(headers)
-        if given is None or not hmac.compare_digest(given, self.token):
+        if not self._is_admin(given):
             raise GatewayError(401, f"{'missing' if given is None else 'wrong'} bearer token; send "
                                     "'Authorization: Bearer <token>' with the gateway's token (--token)")
+
+    def _is_admin(self, given: str | None) -> bool:
+        return self.token is None or secret_matches(header_secret(given), self.token)
 
     def rollout_for(self, rollout_id: str | None, headers: Any) -> OpenRollout:
         """The open rollout a request is for: named by its path, its key, or both (then they agree)."""
@@ -224,7 +234,7 @@ class Gateway:
         elif by_key is not None and by_key != rollout_id:
             raise GatewayError(403, f"this key belongs to another rollout than {rollout_id!r}; a rollout key "
                                     "writes only its own rollout")
-        elif by_key is None and self.token is not None and not (given and hmac.compare_digest(given, self.token)):
+        elif by_key is None and not self._is_admin(given):
             raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
         active = self.rollouts.get(rollout_id)
         if active is None:
@@ -251,8 +261,11 @@ class Gateway:
             if value is not None and (not isinstance(value, str) or not value):
                 raise GatewayError(422, f"{key} must be a non-empty string, got {value!r}")
         attempt = body.get("attempt", 0)
-        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-            raise GatewayError(422, f"attempt must be an int >= 0, got {attempt!r}")
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= INT64_MAX:
+            raise GatewayError(422, f"attempt must be an int from 0 to 2**63-1, got {safe_text(attempt)[:60]}")
+        problem = json_problem(task, "task")
+        if problem:
+            raise GatewayError(422, f"the task cannot be stored: {problem}")
         rollout_id = uuid.uuid4().hex
         group_id = body.get("group_id") or uuid.uuid5(uuid.NAMESPACE_URL, orjson.dumps(
             task, option=orjson.OPT_SORT_KEYS).decode()).hex[:16]
@@ -295,11 +308,14 @@ class Gateway:
             value = check_reward(body.get("value"), what=f"reward {name!r}")
         except InvalidRewardError as exc:
             raise GatewayError(422, str(exc)) from None
+        given = self._bearer(headers)
+        if given and given.startswith(_KEY_PREFIX) and self._by_key.get(given) not in (None, rollout_id):
+            raise GatewayError(403, "this key belongs to another rollout; a rollout key writes only its own rollout")
         active = self.rollouts.get(rollout_id)
         if active is None:  # late feedback on a finished rollout: needs the gateway's token, not a key
+            self.check_admin(headers)  # before anything tells whether the rollout exists
             if not self._finished(rollout_id):
                 raise GatewayError(404, f"unknown rollout {rollout_id!r}")
-            self.check_admin(headers)
             self.store.add_reward(rollout_id, value, name=name)
             return {"rollout_id": rollout_id, "late": True}
         self.rollout_for(rollout_id, headers)
@@ -400,15 +416,7 @@ class Gateway:
         LLM-call spans are not stored (the gateway records calls itself, with the engine's ids); spans
         of no open rollout, or of one the request's key does not open, are refused. Both are counted and
         said in the answer (OTLP's partial success)."""
-        given = self._bearer(headers)
-        key_rollout = self._by_key.get(given) if given and given.startswith(_KEY_PREFIX) else None
-        is_admin = self.token is None or (given is not None and hmac.compare_digest(given, self.token))
-        if given and given.startswith(_KEY_PREFIX) and key_rollout is None:
-            raise GatewayError(401, "unknown rollout key; a finished rollout's key no longer works")
-        if key_rollout is None and not is_admin:
-            raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
-        if rollout_id is not None:
-            self.rollout_for(rollout_id, headers)
+        key_rollout = self.check_spans_sender(rollout_id, headers)
         stored, why = 0, {}
         for span in spans:
             target = span["attributes"].get(semconv.ROLLOUT_ID) or rollout_id or key_rollout
@@ -430,6 +438,19 @@ class Gateway:
             count("gateway_otlp_spans_refused", rejected)
         return {"stored": stored, "rejected": rejected,
                 "message": "; ".join(f"{n} span(s): {reason}" for reason, n in why.items())}
+
+    def check_spans_sender(self, rollout_id: str | None, headers: Any) -> str | None:
+        """The credentials of an OTLP export, checked before its body is read: the gateway's token, or
+        a rollout key (whose rollout is returned). 401 otherwise, whatever the body or path names."""
+        given = self._bearer(headers)
+        key_rollout = self._by_key.get(given) if given and given.startswith(_KEY_PREFIX) else None
+        if given and given.startswith(_KEY_PREFIX) and key_rollout is None:
+            raise GatewayError(401, "unknown rollout key; a finished rollout's key no longer works")
+        if key_rollout is None and not self._is_admin(given):
+            raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
+        if rollout_id is not None:
+            self.rollout_for(rollout_id, headers)
+        return key_rollout
 
     def _write_external(self, active: OpenRollout, span: dict[str, Any]) -> None:
         active.last_seen = time.monotonic()
@@ -472,10 +493,11 @@ class Gateway:
             if not isinstance(message, dict):
                 continue
             for tc in message.get("tool_calls") or ():
-                if isinstance(tc, dict) and tc.get("id"):
-                    asked[tc["id"]] = tc.get("function") or {}
+                if isinstance(tc, dict) and isinstance(tc.get("id"), str) and isinstance(tc.get("function"), dict):
+                    asked[tc["id"]] = tc["function"]
             call_id = message.get("tool_call_id")
-            if message.get("role") == "tool" and call_id and call_id not in active.tool_calls_seen:
+            if message.get("role") == "tool" and isinstance(call_id, str) and call_id \
+                    and call_id not in active.tool_calls_seen:
                 active.tool_calls_seen.add(call_id)
                 fn = asked.get(call_id, {})
                 with record_tool_span(fn.get("name") or message.get("name") or "tool", call_id,
@@ -641,21 +663,37 @@ def create_app(gateway: Gateway) -> Any:
                 report_failure("gateway stop", exc)
             await gateway.close()
 
-    app = FastAPI(title="lightning-rl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="lightning-rl gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     def _json(data: Any, status: int = 200) -> Response:
         return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
-    async def _body(request: Request) -> dict[str, Any]:
+    async def _raw(request: Request) -> bytes:
+        """The body, read up to the limit (413 beyond it, also when it comes chunked)."""
+        limit = gateway.max_body_bytes
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > gateway.max_body_bytes:
-            raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
-        return _parse_body(await request.body(), gateway.max_body_bytes)
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+        parts, size = [], 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+            parts.append(piece)
+        return b"".join(parts)
+
+    async def _body(request: Request) -> dict[str, Any]:
+        return _parse_body(await _raw(request), gateway.max_body_bytes, invalid=422)
 
     @app.exception_handler(GatewayError)
     async def _refused(request: Request, exc: GatewayError) -> Response:
         # OpenAI's error shape, so that an agent's OpenAI client shows the reason
         return _json(_openai_error(exc.status, exc.error, exc.details), exc.status)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        gateway.check_admin(request.headers)  # like every route but health
+        return _json(app.openapi())
 
     @app.get("/v1/health")
     async def health() -> Response:
@@ -670,25 +708,42 @@ def create_app(gateway: Gateway) -> Any:
         body = await _body(request)
         return _json(await asyncio.to_thread(gateway.open_rollout, body, str(request.base_url)))
 
+    def _credentials(request: Request, rollout_id: str) -> None:
+        """A rollout's key or the gateway's token, before its body is read (401 or 403 either way,
+        whether or not the rollout exists; the route itself then tells 404 from 409)."""
+        given = gateway._bearer(request.headers)
+        owner = gateway._by_key.get(given) if given and given.startswith(_KEY_PREFIX) else None
+        if owner is None and not gateway._is_admin(given):
+            raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
+        if owner is not None and owner != rollout_id:
+            raise GatewayError(403, "this key belongs to another rollout; a rollout key writes only its own rollout")
+
     @app.post("/v1/rollouts/{rollout_id}/rewards")
     async def reward(rollout_id: str, request: Request) -> Response:
+        _credentials(request, rollout_id)
         body = await _body(request)
         return _json(await asyncio.to_thread(gateway.reward, rollout_id, body, request.headers))
 
     @app.post("/v1/rollouts/{rollout_id}/finish")
     async def finish(rollout_id: str, request: Request) -> Response:
+        _credentials(request, rollout_id)
         body = await _body(request)
         return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
 
     async def _traces(request: Request, rollout_id: str | None) -> Response:
-        body = await request.body()
-        if len(body) > gateway.max_body_bytes:
-            raise GatewayError(413, f"request body over the gateway's limit of {gateway.max_body_bytes} bytes")
+        gateway.check_spans_sender(rollout_id, request.headers)  # before a byte of the body is read or inflated
+        body = await _raw(request)
         kind = otlp.content_kind(request.headers.get("content-type"))
         try:
-            spans = otlp.decode(body, kind, request.headers.get("content-encoding"))
+            spans = otlp.decode(body, kind, request.headers.get("content-encoding"), gateway.max_body_bytes)
+        except otlp.OTLPTooLarge as exc:
+            raise GatewayError(413, str(exc)) from None
         except otlp.OTLPDecodeError as exc:
             raise GatewayError(400, str(exc)) from None
+        problems = otlp.span_problems(spans)
+        if problems:
+            raise GatewayError(400, f"{len(problems)} span value(s) cannot be stored; nothing of this export was "
+                                    f"stored: {problems[0]}", problems)
         taken = await asyncio.to_thread(gateway.take_spans, spans, rollout_id, request.headers)
         return Response(otlp.encode_answer(taken["rejected"], taken["message"], kind),
                         media_type="application/x-protobuf" if kind == "protobuf" else "application/json")
@@ -708,7 +763,9 @@ def _openai_error(status: int, message: str, details: list[str] | None = None) -
     return {"error": {"message": message, "type": "lightning_rl_gateway", "code": status, "details": details or []}}
 
 
-def _parse_body(raw: bytes, limit: int) -> dict[str, Any]:
+def _parse_body(raw: bytes, limit: int, invalid: int = 400) -> dict[str, Any]:
+    """A JSON object body; ``invalid``: the status for a value that cannot be recorded (the LLM routes
+    answer 400 as OpenAI's API does; the gateway's own routes 422)."""
     if len(raw) > limit:
         raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
     try:
@@ -717,7 +774,18 @@ def _parse_body(raw: bytes, limit: int) -> dict[str, Any]:
         raise GatewayError(400, "the request body is not valid JSON", [str(exc)]) from None
     if not isinstance(body, dict):
         raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    problem = json_problem(body, "body")
+    if problem:
+        raise GatewayError(invalid, f"the request body cannot be recorded: {problem}")
     return body
+
+
+def _check_messages(messages: Any) -> None:
+    """Chat messages the assembly can read back, or 400 before anything is forwarded or recorded."""
+    problems = message_problems(messages)
+    if problems:
+        raise GatewayError(400, f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                           problems)
 
 
 # A call's path: under /v1 (rollout by key), a rollout's base URL, or an agent's.
@@ -755,11 +823,12 @@ class _CallFront:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         dialect = self.dialects.get(endpoint)
         try:
+            active = self.gateway.rollout_for(rollout_id, headers)  # credentials before the body is read
             raw = await self._read(receive, headers)
             if dialect is None:
-                result = await self._chat(headers, raw, rollout_id, agent, endpoint)
+                result = await self._chat(headers, raw, active, agent, endpoint)
             else:
-                result = await self._translated(headers, raw, rollout_id, agent, dialect)
+                result = await self._translated(headers, raw, active, agent, dialect)
         except GatewayError as exc:
             shape = dialect[3](exc.status, exc.error) if dialect else _openai_error(exc.status, exc.error, exc.details)
             result = exc.status, shape
@@ -819,19 +888,19 @@ class _CallFront:
             listener.cancel()
             await relay.aclose()
 
-    async def _chat(self, headers: dict[str, str], raw: bytes, rollout_id: str | None, agent: str | None,
+    async def _chat(self, headers: dict[str, str], raw: bytes, active: OpenRollout, agent: str | None,
                     path: str) -> Any:
-        active = self.gateway.rollout_for(rollout_id, headers)
         body = _parse_body(raw, self.gateway.max_body_bytes)
         if not isinstance(body.get("model"), str):
             raise GatewayError(422, f"model must be the served model's name (a string), got {body.get('model')!r}")
+        if path == "chat/completions":
+            _check_messages(body.get("messages"))
         return await self.gateway.forward(active, path, body, agent or headers.get(AGENT_HEADER))
 
-    async def _translated(self, headers: dict[str, str], raw: bytes, rollout_id: str | None, agent: str | None,
+    async def _translated(self, headers: dict[str, str], raw: bytes, active: OpenRollout, agent: str | None,
                           dialect: tuple[Any, ...]) -> Any:
         """Anthropic Messages or OpenAI Responses, through chat completions; errors in the dialect's shape."""
         to_chat, renderer, from_chat, error = dialect
-        active = self.gateway.rollout_for(rollout_id, headers)
         body = _parse_body(raw, self.gateway.max_body_bytes)
         if not isinstance(body.get("model"), str):
             raise GatewayError(400, f"model must be the served model's name (a string), got {body.get('model')!r}")
@@ -839,6 +908,7 @@ class _CallFront:
             chat = to_chat(body)
         except anthropic.TranslationError as exc:
             raise GatewayError(400, str(exc)) from None
+        _check_messages(chat.get("messages"))
         chat["model"] = body["model"]
         stream = bool(chat.get("stream"))
         if stream:
@@ -939,7 +1009,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str], name: str | N
 
 
 def check_bind(host: str, token: str | None) -> None:
-    from ..store.server import is_loopback
+    from ..store.serving import is_loopback
 
     if not token and not is_loopback(host):
         raise ConfigurationError(f"binding the gateway to {host!r} exposes it beyond this machine; give it a "
@@ -951,7 +1021,7 @@ class BackgroundGateway:
 
     def __init__(self, upstreams: list[str], *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  **options: Any) -> None:
-        from ..store.server import ServerThread
+        from ..store.serving import ServerThread
 
         check_bind(host, token)
         self.gateway = Gateway(upstreams, token=token, **options)
@@ -970,9 +1040,11 @@ def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_le
     """Run the gateway until interrupted (one process: its open rollouts live in memory)."""
     import uvicorn
 
+    from ..store.serving import uvicorn_options
+
     check_bind(host, gateway.token)
-    uvicorn.run(create_app(gateway), host=host, port=port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=10)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                **uvicorn_options())
 
 
 __all__ = ["BackgroundGateway", "CommandFailed", "Gateway", "GatewayError", "command", "create_app", "serve"]
