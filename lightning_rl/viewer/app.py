@@ -15,18 +15,26 @@ Pages (HTML from ``pages.py``; no script, nothing from the network):
 
 Token text comes from ``--tokenizer`` (a Hugging Face model directory); without one, token ids are
 shown. Auth: the store server's rule. Bound beyond loopback it needs ``--token``; a request then
-carries it as ``Authorization: Bearer``, ``?token=`` (which also sets a cookie) or that cookie.
+carries it as ``Authorization: Bearer``, or opens ``?token=...`` once: the answer is a redirect to the
+same page without it that sets a session cookie holding an HMAC of the token (never the token itself).
+
+The viewer never writes: ``lightning-rl view`` opens the store read-only (no migration, no spill file
+adopted or replayed). Every page is sent with a Content-Security-Policy that allows nothing but its
+own inline style, ``nosniff`` and ``X-Frame-Options: DENY``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..boundaries import INT64_MAX, header_secret, secret_matches
 from ..errors import ConfigurationError, RolloutNotFoundError
 from ..records import RolloutQuery
 from ..store.samples import trajectory_samples
@@ -35,7 +43,7 @@ from . import pages
 
 try:
     from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, Response
+    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 except ImportError as exc:  # like the store server and the gateway
     raise ConfigurationError(
         f"the viewer needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
@@ -43,10 +51,23 @@ except ImportError as exc:  # like the store server and the gateway
 
 COOKIE = "lrl_view_token"
 MAX_RUNS = 200
+#: Sent with every answer: nothing from elsewhere, no script, no framing, no content sniffing.
+SECURITY_HEADERS = {
+    "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+}
+
+
+def session_value(token: str) -> str:
+    """What the session cookie holds: an HMAC of the token, so the cookie never carries the token."""
+    return hmac.new(token.encode("utf-8", "surrogatepass"), b"lightning-rl viewer session", hashlib.sha256).hexdigest()
 
 
 def check_bind(host: str, token: str | None) -> None:
-    from ..store.server import is_loopback
+    from ..store.serving import is_loopback
 
     if not token and not is_loopback(host):
         raise ConfigurationError(f"binding the viewer to {host!r} shows your rollouts beyond this machine; give it "
@@ -90,8 +111,8 @@ def _query(params: dict[str, str]) -> tuple[RolloutQuery, int, int]:
             raise ValueError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
 
     page, per_page = number("page", int) or 1, number("per_page", int) or 50
-    if page < 1 or not 1 <= per_page <= 500:
-        raise ValueError(f"page must be >= 1 and per_page 1..500, got {page}, {per_page}")
+    if not 1 <= page <= INT64_MAX // 500 or not 1 <= per_page <= 500:
+        raise ValueError(f"page must be 1..{INT64_MAX // 500} and per_page 1..500, got {page}, {per_page}")
     order = params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ValueError(f"order must be asc or desc, got {order!r}")
@@ -157,23 +178,38 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
     decode = token_decoder(tokenizer)
     app = FastAPI(title="lightning-rl viewer", docs_url=None, redoc_url=None, openapi_url=None)
 
+    session = session_value(token) if token is not None else None
+
     @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Any:
-        if token is None:
-            return await call_next(request)
-        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
-        given = (given.strip() if scheme.lower() == "bearer" else None) or request.query_params.get("token") \
-            or request.cookies.get(COOKIE)
-        if not given or not hmac.compare_digest(given, token):
-            return JSONResponse({"error": f"{'missing' if not given else 'wrong'} token: open the viewer with "
-                                          "?token=<token> (the --token it was started with)"}, status_code=401)
-        response = await call_next(request)
-        if request.query_params.get("token"):
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+    async def guard(request: Request, call_next: Any) -> Any:
+        response = await _authorized(request, call_next)
+        response.headers.update(SECURITY_HEADERS)
         return response
 
-    def _tok(request: Request) -> str | None:
-        return request.query_params.get("token") if token is not None else None
+    async def _authorized(request: Request, call_next: Any) -> Any:
+        if token is None:
+            return await call_next(request)
+        scheme, _, bearer = (request.headers.get("authorization") or "").partition(" ")
+        bearer = bearer.strip() if scheme.lower() == "bearer" and bearer.strip() else None
+        query = request.query_params.get("token")
+        cookie = request.cookies.get(COOKIE)
+        if bearer is not None:
+            ok = secret_matches(header_secret(bearer), token)
+        elif query is not None:
+            ok = secret_matches(query, token)
+        else:
+            ok = cookie is not None and secret_matches(cookie, session)
+        if not ok:
+            given = bearer or query or cookie
+            return JSONResponse({"error": f"{'missing' if not given else 'wrong'} token: open the viewer with "
+                                          "?token=<token> (the --token it was started with)"}, status_code=401)
+        if query is not None:  # the token leaves the URL (history, links, Referer); a session cookie stays
+            kept = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+            target = request.url.path + ("?" + urllib.parse.urlencode(kept) if kept else "")
+            response = RedirectResponse(target, status_code=303)
+            response.set_cookie(COOKIE, session, httponly=True, samesite="strict")
+            return response
+        return await call_next(request)
 
     @app.get("/", response_class=HTMLResponse)
     def rollouts(request: Request) -> Response:
@@ -181,7 +217,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
         try:
             query, page, per_page = _query(params)
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            return HTMLResponse(pages.page("Bad query", f"<h1>Bad query</h1><p class='err'>{pages.e(exc)}</p>"), 400)
+            return HTMLResponse(pages.page("Bad query", f"<h1>Bad query</h1><p class='err'>{pages.e(exc)}</p>"), 422)
         started = time.perf_counter()
         result = store.rollout_page(query)
         elapsed = (time.perf_counter() - started) * 1000
@@ -197,7 +233,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
         trajectory = store.trajectory(rollout_id)
         samples, _ = trajectory_samples(trajectory, level="trajectory")
         return HTMLResponse(pages.rollout_page(record, trajectory, store.rewards(rollout_id), store.spans(rollout_id),
-                                               samples, decode, _tok(request)))
+                                               samples, decode))
 
     @app.get("/groups/{group_id}", response_class=HTMLResponse)
     def group(group_id: str, request: Request) -> Response:
@@ -211,7 +247,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
                 for t, r, a in zip(trajectories, rewards, advantages)]
         how = ("Advantage: GRPO's, by the local trainer's own function: (reward - the group's mean) / (its std + "
                "1e-6), over the tries that have a reward; a try with none has none.")
-        return HTMLResponse(pages.group_page(group_id, rows, _tok(request), how))
+        return HTMLResponse(pages.group_page(group_id, rows, how))
 
     @app.get("/training", response_class=HTMLResponse)
     def training(request: Request, run: str | None = None) -> Response:
@@ -224,7 +260,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
             note = f"Runs under {metrics}:"
         chosen = run if run in runs else (next(iter(runs)) if runs else None)
         charts = training_charts(runs[chosen]) if chosen else []
-        return HTMLResponse(pages.training_page(list(runs), chosen, charts, _tok(request), note))
+        return HTMLResponse(pages.training_page(list(runs), chosen, charts, note))
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -256,8 +292,10 @@ def serve(store: Any, *, host: str = "127.0.0.1", port: int = 8500, metrics_dir:
     import uvicorn
 
     check_bind(host, token)
+    from ..store.serving import uvicorn_options
+
     uvicorn.run(create_app(store, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token), host=host, port=port,
-                log_level=log_level, access_log=False)
+                log_level=log_level, **uvicorn_options())
 
 
 class BackgroundViewer:
@@ -265,7 +303,7 @@ class BackgroundViewer:
 
     def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  **options: Any) -> None:
-        from ..store.server import ServerThread
+        from ..store.serving import ServerThread
 
         check_bind(host, token)
         self._thread = ServerThread(create_app(store, token=token, **options), host=host, port=port,

@@ -11,6 +11,8 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..boundaries import safe_text
+
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
 header{background:#1d2330;color:#fff;padding:8px 16px;display:flex;gap:18px;align-items:center}
@@ -46,8 +48,8 @@ def e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def page(title: str, body: str, *, token_query: str = "") -> str:
-    nav = "".join(f'<a href="{href}{token_query}">{label}</a>' for href, label in
+def page(title: str, body: str) -> str:
+    nav = "".join(f'<a href="{href}">{label}</a>' for href, label in
                   (("/", "Rollouts"), ("/training", "Training")))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)} · lightning-rl</title>"
             f"<style>{STYLE}</style></head><body><header><b>lightning-rl</b>{nav}</header>"
@@ -67,7 +69,10 @@ def fmt(value: Any, digits: int = 3) -> str:
 
 
 def short(value: Any, n: int = 120) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
+    except (RecursionError, ValueError):  # a task nested deeper than JSON goes (a file of another version)
+        text = safe_text(value)
     return text if len(text) <= n else text[:n - 1] + "…"
 
 
@@ -91,8 +96,7 @@ def rollouts_page(result: Any, params: Mapping[str, Any], elapsed_ms: float) -> 
     def field(name: str, label: str, size: int = 8) -> str:
         return f"<label>{label}<input name='{name}' size='{size}' value='{e(params.get(name))}'></label>"
 
-    hidden = f"<input type='hidden' name='token' value='{e(params['token'])}'>" if params.get("token") else ""
-    form = (f"<form class='filters' method='get' action='/'>{hidden}"
+    form = ("<form class='filters' method='get' action='/'>"
             + select("mode", ("train", "eval", "prod"))
             + select("status", ("queued", "running", "succeeded", "failed", "timed_out"))
             + field("agent", "agent", 10) + field("policy_version", "policy version", 4)
@@ -114,12 +118,12 @@ def rollouts_page(result: Any, params: Mapping[str, Any], elapsed_ms: float) -> 
     for row in result.rows:
         r = row.rollout
         rows.append(
-            f"<tr data-rollout='{e(r.rollout_id)}'><td><a href='{e(link('/rollouts/' + r.rollout_id, {'token': params.get('token')}))}'>"
+            f"<tr data-rollout='{e(r.rollout_id)}'><td><a href='{e('/rollouts/' + urllib.parse.quote(r.rollout_id, safe=''))}'>"
             f"{e(r.rollout_id[:12])}</a></td><td>{e(when(r.start_time))}</td>"
             f"<td class='status-{e(r.status.value)}'>{e(r.status.value)}</td><td>{e(r.mode.value)}</td>"
             f"<td>{e(r.agent)}</td><td class='num'>{e(r.policy_version)}</td>"
             f"<td class='num reward'>{e(fmt(row.reward))}</td><td>{e(short(r.task))}</td>"
-            f"<td>{group_link(r.group_id, params.get('token'))}</td></tr>")
+            f"<td>{group_link(r.group_id)}</td></tr>")
     n = int(params.get("page") or 1)
     per = int(params.get("per_page") or 50)
     first = (n - 1) * per + 1 if result.total else 0
@@ -128,29 +132,33 @@ def rollouts_page(result: Any, params: Mapping[str, Any], elapsed_ms: float) -> 
              + (f"<a id='next' href='{e(link('/', {**params, 'page': n + 1}))}'>older →</a>" if n * per < result.total else "")
              + f"<span style='color:#888'>{elapsed_ms:.0f} ms</span></div>")
     table = f"<table id='rollouts'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-    return page("Rollouts", f"<h1>Rollouts</h1>{form}{pager}{table}{pager}", token_query=_tq(params.get("token")))
+    return page("Rollouts", f"<h1>Rollouts</h1>{form}{pager}{table}{pager}")
 
 
-def _tq(token: str | None) -> str:
-    return f"?token={urllib.parse.quote(token)}" if token else ""
-
-
-def group_link(group_id: str | None, token: str | None) -> str:
+def group_link(group_id: str | None) -> str:
     if not group_id:
         return ""
-    return f"<a href='{e(link('/groups/' + group_id, {'token': token}))}'>{e(group_id[:10])}</a>"
+    return f"<a href='{e('/groups/' + urllib.parse.quote(group_id, safe=''))}'>{e(group_id[:10])}</a>"
 
 
 # -- one rollout -------------------------------------------------------------------------------------
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else "" if value is None else short(value, 2000)
+
+
 def _bubble(message: Mapping[str, Any]) -> str:
     role = str(message.get("role") or "message")
     content = message.get("content")
     if isinstance(content, list):  # content parts
-        content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        content = "".join(_text(p.get("text")) if isinstance(p, dict) else _text(p) for p in content)
+    elif not isinstance(content, str):
+        content = _text(content)
+    listed = message.get("tool_calls")
+    functions = [(tc.get("function") if isinstance(tc.get("function"), dict) else {}, tc)
+                 for tc in (listed if isinstance(listed, list) else ()) if isinstance(tc, dict)]
     calls = "".join(
-        f"<div class='toolcall'>→ {e((tc.get('function') or {}).get('name'))}"
-        f"({e((tc.get('function') or {}).get('arguments'))}) <span style='color:#888'>{e(tc.get('id'))}</span></div>"
-        for tc in message.get("tool_calls") or () if isinstance(tc, dict))
+        f"<div class='toolcall'>→ {e(_text(fn.get('name')))}({e(_text(fn.get('arguments')))}) "
+        f"<span style='color:#888'>{e(_text(tc.get('id')))}</span></div>" for fn, tc in functions)
     extra = f" <span style='color:#888'>{e(message.get('tool_call_id'))}</span>" if message.get("tool_call_id") else ""
     css = role if role in ("system", "user", "assistant", "tool") else "user"
     return (f"<div class='bubble {css}' data-role='{e(role)}'><div class='role'>{e(role)}{extra}</div>"
@@ -219,14 +227,14 @@ def timeline(spans: Sequence[Any]) -> str:
 
 
 def rollout_page(rollout: Any, trajectory: Any, rewards: Sequence[Any], spans: Sequence[Any], samples: Sequence[Any],
-                 decode: Any, token: str | None) -> str:
+                 decode: Any) -> str:
     r = rollout
     meta = [("Rollout", r.rollout_id), ("Name", r.name), ("Agent", r.agent), ("Status", r.status.value),
             ("Mode", r.mode.value), ("Policy version", r.policy_version), ("Attempt", r.attempt),
             ("Started", when(r.start_time)), ("Ended", when(r.end_time)), ("Task", short(r.task, 2000))]
     rows = "".join(f"<div><b>{k}</b></div><div{' class=status-' + e(v) if k == 'Status' else ''}>{e(v)}</div>"
                    for k, v in meta)
-    rows += f"<div><b>Group</b></div><div>{group_link(r.group_id, token)}</div>"
+    rows += f"<div><b>Group</b></div><div>{group_link(r.group_id)}</div>"
     if r.error:
         rows += f"<div><b>Error</b></div><div class='err' id='error'>{e(r.error)}</div>"
     reward_rows = "".join(
@@ -257,15 +265,14 @@ def rollout_page(rollout: Any, trajectory: Any, rewards: Sequence[Any], spans: S
             f"<h2>Rewards</h2>{reward_table}<h2>Conversation</h2>{conversation(trajectory.llm_calls)}"
             f"<h2>Tokens</h2>{LEGEND}{''.join(sample_html)}{''.join(calls) or '<p>No LLM calls.</p>'}"
             f"<h2>Spans</h2>{timeline(spans)}")
-    return page(f"Rollout {r.rollout_id[:12]}", body, token_query=_tq(token))
+    return page(f"Rollout {r.rollout_id[:12]}", body)
 
 
 # -- a group ---------------------------------------------------------------------------------------
-def group_page(group_id: str, rows: Sequence[tuple[Any, float | None, float | None, str]], token: str | None,
-               how: str) -> str:
+def group_page(group_id: str, rows: Sequence[tuple[Any, float | None, float | None, str]], how: str) -> str:
     cells = "".join(
         f"<tr data-rollout='{e(t.rollout_id)}'><td class='num'>{e(t.attempt)}</td>"
-        f"<td><a href='{e(link('/rollouts/' + t.rollout_id, {'token': token}))}'>{e(t.rollout_id[:12])}</a></td>"
+        f"<td><a href='{e('/rollouts/' + urllib.parse.quote(t.rollout_id, safe=''))}'>{e(t.rollout_id[:12])}</a></td>"
         f"<td class='status-{e(t.status.value)}'>{e(t.status.value)}</td><td>{e(t.mode.value)}</td>"
         f"<td class='num reward'>{e(fmt(reward))}</td><td class='num advantage'>{e(fmt(advantage))}</td>"
         f"<td>{e(short(answer, 400))}</td></tr>"
@@ -274,7 +281,7 @@ def group_page(group_id: str, rows: Sequence[tuple[Any, float | None, float | No
     body = (f"<h1>Group {e(group_id)}</h1><p>Task: {e(task)}</p><p>{e(how)}</p>"
             f"<table class='groups' id='group'><tr><th>Try</th><th>Rollout</th><th>Status</th><th>Mode</th>"
             f"<th>Reward</th><th>Advantage</th><th>Answer</th></tr>{cells}</table>")
-    return page(f"Group {group_id}", body, token_query=_tq(token))
+    return page(f"Group {group_id}", body)
 
 
 # -- training --------------------------------------------------------------------------------------
@@ -313,9 +320,9 @@ def svg_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], w
             f"{axes}{''.join(lines)}<text x='{pad + 4}' y='{height + 10}' font-size='11'>{''.join(legend)}</text></svg></div>")
 
 
-def training_page(runs: Sequence[str], chosen: str | None, charts: Sequence[str], token: str | None, note: str) -> str:
-    options = "".join(f"<li><a href='{e(link('/training', {'run': r, 'token': token}))}'>{'<b>' if r == chosen else ''}"
+def training_page(runs: Sequence[str], chosen: str | None, charts: Sequence[str], note: str) -> str:
+    options = "".join(f"<li><a href='{e(link('/training', {'run': r}))}'>{'<b>' if r == chosen else ''}"
                       f"{e(r)}{'</b>' if r == chosen else ''}</a></li>" for r in runs)
     body = (f"<h1>Training</h1><p>{e(note)}</p><ul id='runs'>{options}</ul>"
             f"<div class='charts'>{''.join(charts) or '<p>No metrics to draw.</p>'}</div>")
-    return page("Training", body, token_query=_tq(token))
+    return page("Training", body)
