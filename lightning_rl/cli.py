@@ -469,7 +469,7 @@ def _replay(replay_store: str, *, model_dir: str | None, out: str, served_name: 
 
 @main.group("store")
 def store_group() -> None:
-    """Serve a store over HTTP for many runner processes and machines."""
+    """Serve a store over HTTP for many runner processes and machines; inspect and upgrade a store."""
 
 
 @store_group.command("serve")
