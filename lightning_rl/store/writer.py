@@ -209,7 +209,10 @@ class BackgroundWriter:
         markers = [payload for kind, payload in batch if kind == FLUSH]
         items = [item for item in batch if item[0] != FLUSH] if markers else batch
         spilled = False
-        if items and self._spill is not None and not self._try_replay():
+        # The backlog is tried on its timer whatever this batch holds: a process whose traffic is only
+        # flushes (a trainer reading what it wrote) never goes idle, and must still write it back.
+        replayed = self._try_replay() if self._spill is not None else True
+        if items and not replayed:
             # A backlog is waiting: nothing may overtake it, so this batch goes behind it.
             spilled = self._spill_or_retry(items)
         deadline = time.monotonic() + self._give_up_after
