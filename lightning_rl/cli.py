@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .errors import LightningRLError
+from .errors import LightningRLError, missing_dependency
 
 STORE_HELP = "Store URL or path (default: $LIGHTNING_RL_STORE or ./lightning_rl.db)."
 
@@ -24,6 +24,11 @@ def _errors(fn):
             return fn(*args, **kwargs)
         except LightningRLError as exc:
             raise click.ClickException(str(exc)) from None
+        except ImportError as exc:  # an optional dependency: one line naming the extra, no traceback
+            missing = missing_dependency(exc)
+            if missing is None:
+                raise
+            raise click.ClickException(str(missing)) from None
 
     return wrapper
 
@@ -66,16 +71,26 @@ def rollouts_ls(store: str | None, mode: str | None, status: str | None, limit: 
     """
     with _open(store) as s:
         rows = s.rollouts(mode=mode, status=status, limit=limit or None, newest_first=True)
+        calls = s.llm_call_counts([r.rollout_id for r in rows])
         if as_json:
             for r in rows:
-                click.echo(r.model_dump_json())
+                click.echo(json.dumps({**r.model_dump(mode="json"), "llm_calls": calls.get(r.rollout_id, 0)}))
             return
-        click.echo(f"{'ROLLOUT':32}  {'STATUS':9}  {'MODE':5}  {'AGENT':16}  {'POLICY':6}  STARTED")
+        click.echo(f"{'ROLLOUT':32}  {'STATUS':9}  {'MODE':5}  {'AGENT':16}  {'POLICY':6}  {'CALLS':>5}  STARTED")
+        empty = 0
         for r in rows:
+            n = calls.get(r.rollout_id, 0)
+            marked = r.status.finished and n == 0
+            empty += marked
             click.echo(
                 f"{r.rollout_id:32}  {r.status.value:9}  {r.mode.value:5}  {(r.agent or '-')[:16]:16}  "
-                f"{r.policy_version if r.policy_version is not None else '-':>6}  {_when(r.start_time)}"
+                f"{r.policy_version if r.policy_version is not None else '-':>6}  {str(n) + ('!' if marked else ''):>5}  "
+                f"{_when(r.start_time)}"
             )
+        if empty:
+            click.echo(f"{empty} finished rollout(s) marked ! recorded no LLM call: they train nothing. If the agent "
+                       "called a model, the call bypassed capture (lrl.stats(): llm_calls_bypassing_capture); send it "
+                       "through the gateway or the openai client", err=True)
 
 
 def _message_line(message: dict[str, Any]) -> list[str]:
@@ -117,12 +132,13 @@ def rollouts_expire(store: str | None, idle: float, origin: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The assembled trajectory as JSON.")
 @_errors
 def rollouts_show(rollout_id: str, store: str | None, credit: str, as_json: bool) -> None:
-    """Show one rollout: the conversation with tool calls, token counts and rewards.
+    """Show one rollout (its id, or the first characters of it that only it starts with): the conversation
+    with tool calls, token counts and rewards.
 
-    Example: lightning-rl rollouts show 3f2a... --store runs.db
+    Example: lightning-rl rollouts show 3f2a9c1b07de --store runs.db
     """
     with _open(store) as s:
-        t = s.trajectory(rollout_id, credit=credit)
+        t = s.trajectory(s.resolve_rollout_id(rollout_id), credit=credit)
     if as_json:
         click.echo(t.model_dump_json(indent=2))
         return

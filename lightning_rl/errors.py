@@ -9,6 +9,7 @@ meaning, so ``except ValueError`` keeps working in user code::
     ├── NotInRolloutError (RuntimeError)      emit_reward() / agent-only calls outside @trace
     ├── InvalidRewardError (ValueError)       a reward that is not a finite number
     ├── TaskNotSerializableError (TypeError)  a traced call's task that JSON cannot store
+    ├── MissingDependencyError (ImportError)  an optional dependency is not installed (names the extra)
     └── StoreError
         ├── NotAStoreError (ValueError)       a file that is not a lightning-rl store
         ├── SchemaTooNewError (RuntimeError)  a store written by a newer lightning-rl
@@ -55,6 +56,36 @@ class InvalidRewardError(LightningRLError, ValueError):
 
 class TaskNotSerializableError(LightningRLError, TypeError):
     """The arguments of a traced call cannot be stored as JSON."""
+
+
+class MissingDependencyError(LightningRLError, ImportError):
+    """A module of an optional dependency is not installed; the message names the extra to install."""
+
+
+#: The extra that installs each optional top-level module (pyproject.toml's optional dependencies;
+#: tests/test_packaging.py holds the two to each other).
+EXTRA_OF_MODULE = {
+    "fastapi": "server", "uvicorn": "server", "httptools": "server", "anyio": "server", "starlette": "server",
+    "google": "server",  # protobuf, through opentelemetry-proto (OTLP in)
+    "torch": "local", "transformers": "local", "peft": "local", "safetensors": "local", "numpy": "local",
+    "tqdm": "local", "matplotlib": "local",
+    "verl": "verl", "ray": "verl", "cachetools": "verl",
+    "jsonschema": "rewards", "pyarrow": "data",
+    "tensorboard": "trackers", "mlflow": "trackers", "wandb": "trackers",
+    "langchain": "langchain", "langchain_core": "langchain", "langchain_openai": "langchain", "langgraph": "langchain",
+    "autogen_agentchat": "autogen", "autogen_core": "autogen", "autogen_ext": "autogen",
+    "vllm": "vllm",
+}
+
+
+def missing_dependency(exc: ImportError) -> MissingDependencyError | None:
+    """The one-line error for an optional module that is not installed (None: not one of ours)."""
+    name = (getattr(exc, "name", None) or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(name)
+    if extra is None:
+        return None
+    return MissingDependencyError(f"this needs the optional module {name!r}, which is not installed; install it with: "
+                                  f"pip install 'lightning-rl[{extra}]'")
 
 
 class StoreError(LightningRLError):

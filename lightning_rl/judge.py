@@ -21,7 +21,8 @@ scores, each one of 0, 0.25, 0.5, 0.75, 1, since a grammar can bound a list but 
 * **Cached by content**: the same model, rubric, task and answers are judged once per judge (and
   across runs with ``cache_path``, a JSON file); hits are counted (``judge_cache_hits``).
 * **Never a training sample.** The judge's request goes over plain HTTP, not through the instrumented
-  OpenAI client, so no rollout records it as an LLM call. ``judge.reward_groups(store, group_ids)``
+  OpenAI client, and carries ``x-lightning-rl-no-capture``, so no rollout records it as an LLM call, also
+  when a judge is asked from inside a traced agent. ``judge.reward_groups(store, group_ids)``
   writes each judged rollout's reward (name ``reward``, source ``function``) and a ``judge`` span of
   its own (operation ``judge``: model, scores, cache hit, the prompt's hash), which assembly does not
   take as an LLM call. ``Trainer(judge=...)`` calls it for groups whose tries have no reward.
@@ -179,7 +180,8 @@ class GroupJudge:
             wait = min(0.5 * 2 ** attempt, 8.0)
             try:
                 response = httpx.post(f"{self.base_url}/chat/completions", json=body, timeout=self.timeout,
-                                      headers={"authorization": f"Bearer {self.api_key}"})
+                                      headers={"authorization": f"Bearer {self.api_key}",
+                                               semconv.NO_CAPTURE_HEADER: "judge"})
             except (httpx.TimeoutException, httpx.NetworkError) as exc:
                 if attempt == self.retries:
                     raise

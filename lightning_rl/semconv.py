@@ -56,3 +56,7 @@ LANGGRAPH_NODE = "lightning_rl.langgraph.node"
 SOURCE_ENGINE = "engine"
 SOURCE_RETOKENIZED = "retokenized"
 SOURCE_MISSING = "missing"
+
+# An HTTP request header: a request that carries it is not an agent's LLM call (the group judge's), so the
+# HTTP-layer capture (adapters/http_clients.py) neither records nor counts it.
+NO_CAPTURE_HEADER = "x-lightning-rl-no-capture"

@@ -1,7 +1,10 @@
 """Start and stop a local vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``).
 
 vLLM lives in its own environment (its transformers range conflicts with verl's), so the server is
-a subprocess of a given interpreter: ``LIGHTNING_RL_VLLM_PYTHON`` or ``.venv-vllm/bin/python``.
+a subprocess of an interpreter that can import it, found in this order: the current interpreter,
+``LIGHTNING_RL_VLLM_PYTHON``, then ``.venv-vllm/bin/python`` of the working directory or of the
+repository this package was imported from (a development checkout). Where none is found, the error
+lists what was tried.
 Used by the demo, the tests and (later) the local trainer; LoRA hot-loading is enabled on request.
 """
 
@@ -22,11 +25,30 @@ from .errors import ConfigurationError
 ENV_VLLM_PYTHON = "LIGHTNING_RL_VLLM_PYTHON"
 
 
-def default_python() -> Path:
+def candidate_pythons() -> list[tuple[Path, str]]:
+    """Where a vLLM interpreter is looked for, in order, each with why it is a candidate."""
+    import importlib.util
+    import sys
+
+    found: list[tuple[Path, str]] = []
+    if importlib.util.find_spec("vllm") is not None:
+        found.append((Path(sys.executable), "this interpreter, which can import vllm"))
     env = os.environ.get(ENV_VLLM_PYTHON)
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+        found.append((Path(env), f"${ENV_VLLM_PYTHON}"))
+    for root, why in ((Path.cwd(), "the working directory's .venv-vllm"),
+                      (Path(__file__).resolve().parent.parent, "the checkout's .venv-vllm (make venv-vllm)")):
+        found.append((root / ".venv-vllm" / "bin" / "python", why))
+    return found
+
+
+def default_python() -> Path:
+    """The first candidate that exists (else the last one, which ``start`` reports with the others)."""
+    candidates = candidate_pythons()
+    for path, _ in candidates:
+        if path.exists():
+            return path
+    return candidates[-1][0]
 
 
 def free_port() -> int:
@@ -85,8 +107,10 @@ class VLLMServer:
 
     def start(self) -> "VLLMServer":
         if not self.python.exists():
+            tried = "; ".join(f"{path} ({why})" for path, why in candidate_pythons())
             raise ConfigurationError(
-                f"no vLLM interpreter at {self.python}; run `make venv-vllm` or set {ENV_VLLM_PYTHON}"
+                f"no vLLM interpreter at {self.python}. Tried: {tried}. Install vllm into this environment, set "
+                f"{ENV_VLLM_PYTHON} to a Python that can import it, or run `make venv-vllm` in the repository"
             )
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

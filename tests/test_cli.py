@@ -210,3 +210,31 @@ def test_an_export_that_matches_nothing_says_why(tmp_path):
     assert "matched no conversation (4 succeeded rollouts read; skipped: 4 reward out of range)" in result.output
     assert run("export", "--store", db, "--mode", "prod").exit_code == 1
     assert run("export", "--store", db, "--min-reward", "1").exit_code == 1  # chat-only filters on tokens
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "http"])
+def test_rollouts_show_takes_a_unique_prefix_and_names_the_candidates(db, kind, tmp_path):
+    with SQLiteStore(db) as s:
+        for rid in ("3f2a9c1b07de" + "0" * 20, "3f2a9c1b07de" + "1" * 20, "77aa" + "2" * 28):
+            s.start_rollout(rollout(rid))
+            s.finish_rollout(rid, RolloutStatus.SUCCEEDED, time.time(), None)
+    if kind == "http":
+        from lightning_rl.store.server import BackgroundServer
+
+        server = BackgroundServer(db).__enter__()
+        store = server.url
+    else:
+        server, store = None, db
+    try:
+        one = run("rollouts", "show", "77aa", "--store", store)  # listings and logs show 12 characters
+        assert one.exit_code == 0 and "rollout 77aa" + "2" * 28 in one.output, one.output
+        exact = run("rollouts", "show", "r-ok", "--store", store)
+        assert exact.exit_code == 0 and "rollout r-ok " in exact.output
+        two = run("rollouts", "show", "3f2a9c1b07de", "--store", store)
+        assert two.exit_code == 1 and "Traceback" not in two.output
+        assert "3f2a9c1b07de" + "0" * 20 in two.output and "3f2a9c1b07de" + "1" * 20 in two.output
+        none = run("rollouts", "show", "zz", "--store", store)
+        assert none.exit_code == 1 and "no rollout 'zz'" in none.output
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)

@@ -3,7 +3,8 @@
 import lightning_rl as lrl
 
 EXPECTED = {
-    "ConfigurationError", "InMemoryStore", "InvalidRewardError", "LLMCall", "LightningRLError", "Mode",
+    "ConfigurationError", "InMemoryStore", "InvalidRewardError", "LLMCall", "LightningRLError",
+    "MissingDependencyError", "Mode",
     "NotAStoreError", "NotInRolloutError", "Reward", "RewardSource", "Rollout", "RolloutNotFoundError",
     "RolloutStatus", "SQLiteStore", "Sample", "SchemaTooNewError", "Span", "Store", "StoreError",
     "TaskNotSerializableError", "TokenIdsSource", "ToolCall", "Trajectory", "UnknownNameError",
@@ -22,7 +23,8 @@ def test_errors_share_one_root_and_match_builtins():
     for name, builtin in [("ConfigurationError", ValueError), ("InvalidRewardError", ValueError),
                           ("NotInRolloutError", RuntimeError), ("TaskNotSerializableError", TypeError),
                           ("NotAStoreError", ValueError), ("SchemaTooNewError", RuntimeError),
-                          ("RolloutNotFoundError", KeyError), ("UnknownNameError", KeyError)]:
+                          ("RolloutNotFoundError", KeyError), ("UnknownNameError", KeyError),
+                          ("MissingDependencyError", ImportError)]:
         cls = getattr(lrl, name)
         assert issubclass(cls, lrl.LightningRLError) and issubclass(cls, builtin), name
 

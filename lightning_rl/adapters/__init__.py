@@ -18,10 +18,15 @@ from typing import Any
 
 from ..diagnostics import report_failure
 
-# framework module that signals it is in use -> adapter module to instrument it
+# framework module that signals it is in use -> "adapter module:function" that instruments it
 _FRAMEWORKS = {
-    "langchain_core": "lightning_rl.adapters.langchain",
-    "autogen_agentchat": "lightning_rl.adapters.autogen",
+    "langchain_core": "lightning_rl.adapters.langchain:instrument",
+    "autogen_agentchat": "lightning_rl.adapters.autogen:instrument",
+    # HTTP clients: LLM calls that bypass the instrumented OpenAI client are seen there (http_clients.py)
+    "httpx": "lightning_rl.adapters.http_clients:instrument_httpx",
+    "httpx2": "lightning_rl.adapters.http_clients:instrument_httpx2",
+    "requests": "lightning_rl.adapters.http_clients:instrument_requests",
+    "aiohttp": "lightning_rl.adapters.http_clients:instrument_aiohttp",
 }
 _done: set[str] = set()
 _lock = threading.RLock()
@@ -34,7 +39,8 @@ def _instrument(framework: str) -> None:
             return
         _done.add(framework)
     try:
-        __import__(_FRAMEWORKS[framework], fromlist=["instrument"]).instrument()
+        module, _, function = _FRAMEWORKS[framework].partition(":")
+        getattr(__import__(module, fromlist=[function or "instrument"]), function or "instrument")()
     except Exception as exc:
         report_failure(f"instrumenting {framework}", exc)
 

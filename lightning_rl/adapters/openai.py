@@ -13,9 +13,11 @@ False)``, ``LIGHTNING_RL_CAPTURE_TOKEN_IDS=0``). Which servers get them:
 
 * never api.openai.com, nor the hosts in ``LIGHTNING_RL_NO_INJECT_HOSTS``;
 * a server that answered with token ids is known to take them;
-* any other server gets them on its first call; if it refuses that request (400 or 422), the same
-  request is sent once more without them, the server is remembered as one that does not take them,
-  and the fallback is counted (``llm_requests_resent_without_token_fields``) and logged once.
+* any other server gets them on its first call; if it refuses that request (400 or 422) naming one of
+  them (or saying it refuses fields it does not know), the same request is sent once more without
+  them, the server is remembered as one that does not take them, and the fallback is counted
+  (``llm_requests_resent_without_token_fields``) and logged once. Any other refusal (a context-length
+  error) goes back to the agent after one request.
 
 Where the server returns no ids the call is still recorded with ``token_ids.source = missing``.
 ``/responses`` calls are not recorded: they are counted (``llm_calls_unrecorded_responses_api``)
@@ -37,6 +39,7 @@ from ..diagnostics import count, report_failure
 from ..records import PackedTokens
 from ..tracer.context import RolloutState, _llm_hint, _rollout, current_agent_name
 from ..tracer.provider import parent_context, tracing
+from .http_clients import instrumented_request
 
 _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "n",
@@ -122,7 +125,8 @@ class LLMCall:
     _extra = staticmethod(_model_extra)
     _logprob = staticmethod(operator.attrgetter("logprob"))
 
-    def __init__(self, client: Any, options: Any, op: str, state: RolloutState, *, json: bool = False) -> None:
+    def __init__(self, client: Any, options: Any, op: str, state: RolloutState, *, json: bool = False,
+                 inject: bool = True) -> None:
         if json:  # the engine's JSON, as dicts
             self._get, self._extra, self._logprob = dict.get, _itself, operator.itemgetter("logprob")
         body = options.json_data if isinstance(options.json_data, dict) else {}
@@ -136,7 +140,7 @@ class LLMCall:
         self.server = _server_key(base_url)
         self.injected: tuple[str, ...] = ()
         settings = tracing.settings
-        if (host not in _NO_INJECT_HOSTS and host not in settings.no_inject_hosts
+        if (inject and host not in _NO_INJECT_HOSTS and host not in settings.no_inject_hosts
                 and _takes_token_fields.get(self.server) is not False):
             injected = []
             if settings.capture_token_ids and "return_token_ids" not in request:
@@ -492,12 +496,29 @@ def _attach_parsed(parsed: Any, call: LLMCall) -> Any:
     return _attach(parsed, call)
 
 
+#: How servers say they refuse a request field they do not know (besides naming it): pydantic's
+#: "extra inputs are not permitted" (vLLM, FastAPI servers), OpenAI's "unrecognized request argument".
+_UNKNOWN_FIELD_WORDS = ("extra inputs are not permitted", "extra_forbidden", "unrecognized request argument",
+                        "unknown field", "unknown parameter", "unexpected keyword", "additional properties")
+
+
+def _refuses_token_fields(error: BaseException, injected: tuple[str, ...]) -> bool:
+    """Whether a 400/422 is about the fields we added: its text names one, or says it refuses unknown
+    fields. Any other refusal (a context-length error, a bad message) is the agent's, sent once."""
+    body = getattr(error, "body", None)
+    text = f"{error} {body if body is not None else ''}".lower()
+    return any(field in text for field in injected) or any(words in text for words in _UNKNOWN_FIELD_WORDS)
+
+
 def _resend_without_token_fields(call: LLMCall, error: BaseException) -> bool:
     """Whether to send the request once more without the fields we added: the server refused it
-    (400/422), and it is not known to take them."""
+    (400/422) because of them, and it is not known to take them."""
     if not call.injected or _takes_token_fields.get(call.server) is not None:
         return False
     if getattr(error, "status_code", None) not in (400, 422):
+        return False
+    if not _refuses_token_fields(error, call.injected):
+        count("llm_requests_refused_not_for_token_fields")  # the agent's own error: answered after one request
         return False
     extra = {k: v for k, v in (call.options.extra_json or {}).items() if k not in call.injected}
     call.options.extra_json = extra or None
@@ -530,47 +551,67 @@ def _start(client: Any, options: Any) -> LLMCall | None:
 def _wrap_sync(original: Any) -> Any:
     @functools.wraps(original)
     def request(self: Any, cast_to: Any, options: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _start(self, options)
-        if call is None:
+        if _rollout.get() is None:
             return original(self, cast_to, options, *args, **kwargs)
+        mark = instrumented_request.set(True)  # the HTTP layer leaves this request to us
         try:
-            try:
-                result = original(self, cast_to, call.options, *args, **kwargs)
-            except Exception as exc:
-                if not _resend_without_token_fields(call, exc):
-                    raise
-                result = original(self, cast_to, call.options, *args, **kwargs)
-                _refused_token_fields(call)
-        except BaseException as exc:
-            call.fail(exc)
-            raise
-        return _attach(result, call)
+            return _request_sync(original, self, cast_to, options, args, kwargs)
+        finally:
+            instrumented_request.reset(mark)
 
     request.__lightning_rl_original__ = original
     return request
+
+
+def _request_sync(original: Any, self: Any, cast_to: Any, options: Any, args: tuple, kwargs: dict) -> Any:
+    call = _start(self, options)
+    if call is None:
+        return original(self, cast_to, options, *args, **kwargs)
+    try:
+        try:
+            result = original(self, cast_to, call.options, *args, **kwargs)
+        except Exception as exc:
+            if not _resend_without_token_fields(call, exc):
+                raise
+            result = original(self, cast_to, call.options, *args, **kwargs)
+            _refused_token_fields(call)
+    except BaseException as exc:
+        call.fail(exc)
+        raise
+    return _attach(result, call)
 
 
 def _wrap_async(original: Any) -> Any:
     @functools.wraps(original)
     async def request(self: Any, cast_to: Any, options: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _start(self, options)
-        if call is None:
+        if _rollout.get() is None:
             return await original(self, cast_to, options, *args, **kwargs)
+        mark = instrumented_request.set(True)  # the HTTP layer leaves this request to us
         try:
-            try:
-                result = await original(self, cast_to, call.options, *args, **kwargs)
-            except Exception as exc:
-                if not _resend_without_token_fields(call, exc):
-                    raise
-                result = await original(self, cast_to, call.options, *args, **kwargs)
-                _refused_token_fields(call)
-        except BaseException as exc:
-            call.fail(exc)
-            raise
-        return _attach(result, call)
+            return await _request_async(original, self, cast_to, options, args, kwargs)
+        finally:
+            instrumented_request.reset(mark)
 
     request.__lightning_rl_original__ = original
     return request
+
+
+async def _request_async(original: Any, self: Any, cast_to: Any, options: Any, args: tuple, kwargs: dict) -> Any:
+    call = _start(self, options)
+    if call is None:
+        return await original(self, cast_to, options, *args, **kwargs)
+    try:
+        try:
+            result = await original(self, cast_to, call.options, *args, **kwargs)
+        except Exception as exc:
+            if not _resend_without_token_fields(call, exc):
+                raise
+            result = await original(self, cast_to, call.options, *args, **kwargs)
+            _refused_token_fields(call)
+    except BaseException as exc:
+        call.fail(exc)
+        raise
+    return _attach(result, call)
 
 
 def instrument() -> bool:

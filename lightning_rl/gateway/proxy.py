@@ -364,6 +364,7 @@ class Gateway:
             active.span.end()
         except Exception as exc:
             report_failure("gateway rollout span end", exc)
+        active.state.note_end()
         self.store.finish_rollout(rollout_id, RolloutStatus(status), time.time(), error,
                                   active.state.oldest_call_version)
         self.store.flush(tracing.settings.flush_timeout)

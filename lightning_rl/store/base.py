@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from .. import semconv
 from ..boundaries import INT64_MAX, json_problem
 from ..diagnostics import count
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
@@ -204,6 +205,38 @@ class Store:
             mode=mode, status=status, since=_since(since), min_policy_version=min_policy_version,
             limit=limit, newest_first=newest_first,
         )
+
+    def resolve_rollout_id(self, prefix: str) -> str:
+        """The rollout id that ``prefix`` names: itself, or the one id that starts with it (listings and
+        logs show 12 characters). Several: a :class:`ConfigurationError` naming them; none: not found."""
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigurationError(f"a rollout id (or its first characters) is a non-empty string, got {shown(prefix)}")
+        if self._get_rollout(prefix) is not None:
+            return prefix
+        found = self._rollout_ids_with_prefix(prefix, 11)
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise RolloutNotFoundError(
+                f"no rollout {shown(prefix)} (nor one starting with it) in {self.url}; list ids with "
+                "`lightning-rl rollouts ls`")
+        more = "" if len(found) <= 10 else ", ..."
+        raise ConfigurationError(f"{shown(prefix)} starts {len(found) if len(found) <= 10 else 'more than 10'} rollout "
+                                 f"ids: {', '.join(found[:10])}{more}; give more of it")
+
+    def _rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """Up to ``limit`` rollout ids starting with ``prefix``, in order. Any store: a scan."""
+        ids = sorted(r.rollout_id for r in self._query_rollouts(mode=None, status=None, since=None,
+                                                                min_policy_version=None, limit=None, newest_first=False))
+        return [rid for rid in ids if rid.startswith(prefix)][:limit]
+
+    def llm_call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        """How many LLM calls each rollout recorded (a finished rollout with none trains nothing)."""
+        counts = {}
+        for rollout, spans, _ in self._with_data([r for rid in rollout_ids if (r := self._get_rollout(rid))]):
+            counts[rollout.rollout_id] = sum(1 for s in spans if isinstance(op := s.attributes.get(
+                semconv.GEN_AI_OPERATION_NAME), str) and op in semconv.LLM_OPERATIONS)
+        return counts
 
     def spans(self, rollout_id: str) -> list[Span]:
         self.get_rollout(rollout_id)

@@ -344,6 +344,9 @@ class HttpStore(Store):
     def _get_rewards(self, rollout_id: str) -> list[Reward]:
         return wire.REWARDS.validate_python(self._request("GET", f"/rollouts/{_quote(rollout_id)}/rewards"))
 
+    def _rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        return self._request("GET", "/rollout_ids", params={"prefix": prefix, "limit": limit})
+
     def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
         return [QuarantinedRecord.model_validate(q) for q in self._request("GET", "/quarantine", params={"limit": limit})]
 

@@ -343,6 +343,11 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         return _json([{"rollout": r.model_dump(mode="json"), "spans": [s.model_dump(mode="json") for s in sp],
                        "rewards": [w.model_dump(mode="json") for w in rw]} for r, sp, rw in data])
 
+    @app.get(f"{p}/rollout_ids")
+    async def rollout_ids(prefix: str, limit: Annotated[int, Query(ge=1, le=1000)] = 11) -> Response:
+        """Rollout ids starting with ``prefix`` (a unique prefix names a rollout in the CLI), in order."""
+        return _json(await anyio.to_thread.run_sync(lambda: store._rollout_ids_with_prefix(prefix, limit)))
+
     @app.get(f"{p}/quarantine", response_model=list[QuarantinedRecord])
     async def quarantine(limit: QueryInt = 1000) -> Response:
         """Records the store set aside because they could not be written (newest first, with the reason)."""

@@ -480,6 +480,24 @@ class SQLiteStore(Store):
         (reward_time,), = self._read("SELECT max(time) FROM rewards WHERE rollout_id = ?", (rollout.rollout_id,))
         return max(rollout.start_time, (span_end or 0) / 1e9, reward_time or 0.0)
 
+    def _rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        rows = self._read("SELECT rollout_id FROM rollouts WHERE rollout_id >= ? AND rollout_id < ? ORDER BY rollout_id "
+                          "LIMIT ?", (prefix, prefix + "\U0010ffff", int(limit)))
+        return [r[0] for r in rows]
+
+    def llm_call_counts(self, rollout_ids) -> dict[str, int]:
+        ids = list(rollout_ids)
+        counts = dict.fromkeys(self.existing_rollout_ids(ids), 0)
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            rows = self._read(
+                "SELECT rollout_id, count(*) FROM spans WHERE rollout_id IN (" + ", ".join("?" * len(chunk)) + ") "
+                "AND CASE WHEN json_valid(attributes) THEN json_extract(attributes, '$.\"gen_ai.operation.name\"') END "
+                "IN ('chat', 'text_completion') "
+                "GROUP BY rollout_id", tuple(chunk))
+            counts.update({rid: n for rid, n in rows})
+        return counts
+
     def _get_spans(self, rollout_id: str) -> list[Span]:
         rows = self._read(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE rollout_id = ? ORDER BY seq", (rollout_id,))
         return spans_from_rows(rows)

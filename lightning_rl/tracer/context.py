@@ -10,6 +10,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..diagnostics import count, report_failure
 from ..errors import NotInRolloutError
 
 
@@ -26,6 +27,7 @@ class RolloutState:
     attempt: int = 0
     seq: Iterator[int] = field(default_factory=itertools.count)
     llm_call_counter: Iterator[int] = field(default_factory=itertools.count)
+    llm_calls: int = 0  # LLM calls recorded (a rollout that ends with none is counted and reported)
     last_llm_call: int | None = None  # index of the latest LLM call that finished
     last_llm_call_by_agent: dict[str, int] = field(default_factory=dict)
     open_calls: dict[int, Any] = field(default_factory=dict)  # in-flight LLM calls (streams)
@@ -34,7 +36,19 @@ class RolloutState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_llm_call(self) -> int:
+        self.llm_calls += 1
         return next(self.llm_call_counter)
+
+    def note_end(self) -> None:
+        """A rollout that ends without any LLM call recorded trains nothing: counted, and said once."""
+        if self.llm_calls:
+            return
+        count("rollouts_without_llm_calls")
+        report_failure("rollout without llm calls", message=(
+            f"lightning-rl: rollout {self.rollout_id} of {self.name!r} ended with no LLM call recorded, so it gives "
+            "no training sample. If the agent called a model, the call did not go through a client lightning-rl "
+            "records (lrl.stats() shows llm_calls_bypassing_capture when it was seen at the HTTP layer): send it "
+            "through the gateway or the openai client. Counted as rollouts_without_llm_calls (logged once)"))
 
     def call_version(self, version: int) -> int:
         """Note the policy version an LLM call of this rollout is stamped with; returns it."""

@@ -300,6 +300,7 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
     _llm_hint.reset(hint_token)
     _agent.reset(agent_token)
     _rollout.reset(rollout_token)
+    state.note_end()
     try:
         active.sink.finish_rollout(rollout.rollout_id, status, time.time(), error, state.oldest_call_version)
     except Exception as failure:

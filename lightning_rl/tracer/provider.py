@@ -2,11 +2,16 @@
 
 We never touch the global provider: a user's own OTel set-up keeps working, shares the context (so
 parenting works across providers), and can also receive our spans (``configure(span_processors=...)``).
+
+Capture is training data, not telemetry export: ``OTEL_SDK_DISABLED=true`` (which CrewAI's docs tell
+users to set, and many production images do) switches off the user's own OpenTelemetry SDK, never our
+private provider. User span processors honour it: they are not attached while it is set (logged once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +33,24 @@ from .sink import SpanSink
 INSTRUMENTATION_NAME = "lightning_rl"
 _KIND_NAMES = {kind: kind.name for kind in otel_trace.SpanKind}  # Enum.name is a slow descriptor
 _STATUS_NAMES = {code: code.name for code in otel_trace.StatusCode}
+
+
+def otel_sdk_disabled() -> bool:
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+class CaptureProvider(TracerProvider):
+    """Our private provider. The SDK's ``TracerProvider`` reads ``OTEL_SDK_DISABLED`` when it is made and
+    then hands out no-op tracers, which switched capture off without a word (rollouts read "succeeded"
+    with 0 LLM calls). This one is never disabled; ``tests/tracer/test_trace.py`` holds it to that."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._disabled = False  # the SDK's own switch (read in get_tracer); the variable is the user's
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+        self._disabled = False
+        return super().get_tracer(*args, **kwargs)
 
 
 class RolloutSpanProcessor(SpanProcessor):
@@ -118,7 +141,7 @@ class Tracing:
             max_span_attribute_length=SpanLimits.UNSET,
         )
         # ALWAYS_ON: an OTEL_TRACES_SAMPLER meant for the user's own tracing must not sample away training data.
-        self.provider = TracerProvider(
+        self.provider = CaptureProvider(
             sampler=ALWAYS_ON,
             span_limits=limits,
             resource=Resource.create({"service.name": "lightning-rl"}),
@@ -158,7 +181,15 @@ class Tracing:
             return self._sink
 
     def add_span_processor(self, processor: SpanProcessor) -> None:
-        """Also give our spans to a processor of the user's (e.g. their exporter)."""
+        """Also give our spans to a processor of the user's (e.g. their exporter), unless the user switched
+        their OpenTelemetry SDK off (``OTEL_SDK_DISABLED``): that variable is theirs, capture is ours."""
+        if otel_sdk_disabled():
+            count("span_processors_not_attached_otel_sdk_disabled")
+            report_failure("span processors with OTEL_SDK_DISABLED", message=(
+                "lightning-rl: OTEL_SDK_DISABLED=true, so the span processors given to configure(span_processors=...) "
+                "are not attached (your OpenTelemetry export is off). Rollouts, LLM calls and token ids are still "
+                "recorded: capture is training data, not telemetry (logged once)"))
+            return
         self.provider.add_span_processor(processor)
 
     # -- policy versions ------------------------------------------------------------------------

@@ -53,9 +53,10 @@ BACKENDS = ("local",)
 
 
 #: This process's counters of records set aside, put on every metrics line (cumulative): a record the store
-#: quarantined, ops the store server refused, stored spans or rows the readers could not use.
+#: quarantined, ops the store server refused, stored spans or rows the readers could not use, LLM calls
+#: seen at the HTTP layer that bypassed the instrumented client.
 SET_ASIDE = ("records_quarantined", "rejected_ops", "malformed_spans_skipped", "malformed_span_fields",
-             "span_rows_unreadable", "rollout_rows_unreadable")
+             "span_rows_unreadable", "rollout_rows_unreadable", "llm_calls_bypassing_capture")
 
 
 def set_aside_counts() -> dict[str, int]:
@@ -238,7 +239,9 @@ class Trainer:
         failures, stats = FailureCounts(), SampleStats()
         samples: list[Sample] = []
         rewards: list[float] = []
+        without_calls = 0
         for trajectories in batch.groups:
+            without_calls += sum(1 for t in trajectories if not t.llm_calls)
             kinds = [failure_kind(t, self.infra_errors) for t in trajectories]
             if "infra" in kinds:
                 failures.infra_failures += kinds.count("infra")
@@ -261,7 +264,7 @@ class Trainer:
                         samples.append(sample)
         counts = {"outcomes": dict(batch.outcomes), **failures.as_metrics(), "prefix_splits": stats.splits,
                   "calls_without_engine_ids": stats.missing_token_ids, "unrewarded_samples": stats.skipped_unrewarded,
-                  **set_aside_counts()}
+                  "rollouts_without_llm_calls": without_calls, **set_aside_counts()}
         return samples, rewards, counts
 
     def evaluate(self, tasks: Sequence[Any] | None = None, *, n: int | None = None) -> float:

@@ -80,7 +80,10 @@ def token_decoder(tokenizer_dir: str | Path | None) -> Callable[[Sequence[int]],
         return lambda ids: None
     try:
         from transformers import AutoTokenizer
-
+    except ImportError:
+        raise ConfigurationError("--tokenizer needs transformers: pip install 'lightning-rl[local]' (or leave "
+                                 "--tokenizer out to see token ids)") from None
+    try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except Exception as exc:
         raise ConfigurationError(f"--tokenizer {str(tokenizer_dir)!r} could not be loaded ({type(exc).__name__}: "
@@ -242,11 +245,12 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
         if not trajectories:
             return HTMLResponse(pages.page("Not found", f"<h1>No rollouts in group {pages.e(group_id)}</h1>"), 404)
         rewards = [t.final_reward for t in trajectories]
-        advantages = _grpo(rewards)
+        try:
+            advantages, how = _grpo(rewards), GRPO_HOW
+        except ImportError:  # the viewer is in the server extra; the trainer's function needs torch
+            advantages, how = [None] * len(rewards), GRPO_NEEDS_TORCH
         rows = [(t, r, a, t.llm_calls[-1].response_text if t.llm_calls else "")
                 for t, r, a in zip(trajectories, rewards, advantages)]
-        how = ("Advantage: GRPO's, by the local trainer's own function: (reward - the group's mean) / (its std + "
-               "1e-6), over the tries that have a reward; a try with none has none.")
         return HTMLResponse(pages.group_page(group_id, rows, how))
 
     @app.get("/training", response_class=HTMLResponse)
@@ -267,6 +271,12 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
         return {"ok": True, "store": store.url}
 
     return app
+
+
+GRPO_HOW = ("Advantage: GRPO's, by the local trainer's own function: (reward - the group's mean) / (its std + "
+            "1e-6), over the tries that have a reward; a try with none has none.")
+GRPO_NEEDS_TORCH = ("GRPO advantages are computed by the local trainer's own function, which needs torch: "
+                    "pip install 'lightning-rl[local]'")
 
 
 def _grpo(rewards: Sequence[float | None]) -> list[float | None]:

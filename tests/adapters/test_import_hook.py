@@ -66,7 +66,7 @@ def test_a_failing_adapter_never_breaks_the_users_import():
         import sys
         import lightning_rl
         from lightning_rl import adapters
-        adapters._FRAMEWORKS["colorsys"] = "lightning_rl.no_such_adapter"  # instrumenting it will fail
+        adapters._FRAMEWORKS["colorsys"] = "lightning_rl.no_such_adapter:instrument"  # instrumenting it will fail
         assert "colorsys" not in sys.modules
         import colorsys
         assert colorsys.rgb_to_hsv(1, 0, 0) == (0.0, 1.0, 1.0)
