@@ -1,8 +1,10 @@
 """LLM traffic that does not go through the instrumented OpenAI client: seen at the HTTP layer.
 
-LiteLLM's ``hosted_vllm/`` provider, DSPy's default engine, the Anthropic client, or an agent posting
-to ``/v1/chat/completions`` with ``httpx`` or ``requests`` itself: before, such a rollout was stored as
-succeeded with no LLM call, and nothing said why. ``httpx``, ``httpx2``, ``requests`` and ``aiohttp``
+LiteLLM's ``hosted_vllm/`` provider, the Anthropic client, or an agent posting to
+``/v1/chat/completions`` with ``httpx`` or ``requests`` itself: before, such a rollout was stored as
+succeeded with no LLM call, and nothing said why. An engine that speaks HTTP over its own sockets (DSPy
+3.4's bundled default engine) is not seen here at all: its rollouts end with no LLM call, which is
+counted and logged (``rollouts_without_llm_calls``); the gateway records those agents. ``httpx``, ``httpx2``, ``requests`` and ``aiohttp``
 are wrapped where every request passes (``Client.send``, ``Session.send``, ``ClientSession._request``);
 outside a rollout, and for the OpenAI client's own requests (the openai adapter marks them), the
 wrapper only reads a context variable and calls through.
@@ -107,7 +109,8 @@ def seen(library: str, method: Any, url: Any, path: Any, body: Any, *, recordabl
     count("llm_calls_bypassing_capture")
     count(f"llm_calls_bypassing_capture:{library}")
     recordable = recordable and op in (semconv.OP_CHAT, semconv.OP_TEXT_COMPLETION)
-    report_failure(f"llm call bypassing capture: {library} {op} {recordable}", message=_fix(library, op, recordable))
+    report_failure(f"llm call bypassing capture: {library} {op} ({'recorded' if recordable else 'counted'})",
+                   message=_fix(library, op, recordable))
     if not recordable:
         return None
     try:

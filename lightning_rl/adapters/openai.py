@@ -139,6 +139,7 @@ class LLMCall:
         host = getattr(base_url, "host", None)
         self.server = _server_key(base_url)
         self.injected: tuple[str, ...] = ()
+        self.asked_for_ids = bool(request.get("return_token_ids"))  # by the caller itself
         settings = tracing.settings
         if (inject and host not in _NO_INJECT_HOSTS and host not in settings.no_inject_hosts
                 and _takes_token_fields.get(self.server) is not False):
@@ -331,12 +332,18 @@ class LLMCall:
         else:
             attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_MISSING
             count("llm_calls_without_token_ids")
-            report_failure(
-                "token id capture",
-                message="lightning-rl: an LLM call returned no token ids; it is recorded with "
-                "token_ids.source=missing and left out of training samples (serve with vLLM >= 0.10.2, "
-                "which honours return_token_ids)",
-            )
+            if self.injected or self.asked_for_ids:
+                report_failure(
+                    "token id capture",
+                    message="lightning-rl: an LLM call returned no token ids; it is recorded with "
+                    "token_ids.source=missing and left out of training samples (serve with vLLM >= 0.10.2, "
+                    "which honours return_token_ids)",
+                )
+            else:
+                report_failure("token ids not asked for", message=(
+                    "lightning-rl: an LLM call was recorded without token ids because its request did not ask for "
+                    "them (return_token_ids was not sent: capture is off for this host or this call bypassed the "
+                    "openai client); it is left out of training samples"))
         return attrs, tokens
 
     def finish(self, *, incomplete: bool = False, error: BaseException | None = None) -> None:
