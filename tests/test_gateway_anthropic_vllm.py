@@ -20,7 +20,7 @@ GREEDY = {"temperature": 0}  # the anthropic client has no temperature argument:
 CALCULATOR = {"name": "calculator", "description": "Evaluate an arithmetic expression.",
               "input_schema": {"type": "object", "properties": {"expression": {
                   "type": "string", "pattern": "^[0-9]{1,3}[+][0-9]{1,3}$"}},
-                  "required": ["expression"], "additionalProperties": False}}
+                  "required": ["expression"], "additionalProperties": False}, "strict": True}
 
 
 @pytest.fixture

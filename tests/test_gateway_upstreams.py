@@ -153,6 +153,7 @@ def test_a_gateway_killed_outright_leaves_no_rollout_running_once_another_starts
             while any(traced.get_rollout(o["rollout_id"]).status == "running" for o in orphans):
                 assert time.monotonic() < deadline, "the killed gateway's rollouts were never ended"
                 time.sleep(0.05)
+            traced.flush()  # the live rollout's start goes through the writer's queue too
             for o in orphans:
                 ended = traced.get_rollout(o["rollout_id"])
                 assert ended.status == "timed_out" and "no longer holds it" in ended.error

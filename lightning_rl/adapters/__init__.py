@@ -22,6 +22,9 @@ from ..diagnostics import report_failure
 _FRAMEWORKS = {
     "langchain_core": "lightning_rl.adapters.langchain:instrument",
     "autogen_agentchat": "lightning_rl.adapters.autogen:instrument",
+    "agents": "lightning_rl.adapters.openai_agents:instrument",  # the OpenAI Agents SDK (openai-agents)
+    "pydantic_ai": "lightning_rl.adapters.pydanticai:instrument",
+    "smolagents": "lightning_rl.adapters.smolagents:instrument",
     # HTTP clients: LLM calls that bypass the instrumented OpenAI client are seen there (http_clients.py)
     "httpx": "lightning_rl.adapters.http_clients:instrument_httpx",
     "httpx2": "lightning_rl.adapters.http_clients:instrument_httpx2",

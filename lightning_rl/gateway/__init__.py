@@ -1,11 +1,16 @@
 """The gateway: trace agents in any language or process (``lightning-rl gateway``, ``lrl.command``).
 
-``proxy.py`` is the OpenAI-compatible proxy and the command agents; ``otlp.py`` decodes the spans an
-agent's OpenTelemetry SDK sends (OTLP/HTTP, protobuf or JSON).
+``proxy.py`` holds the gateway's state and says what each route does; ``auth.py`` who may do what;
+``rollouts.py`` the rollouts opened over HTTP and the spans sent to them; ``forwarding.py`` the calls to
+the engines (captured by ``adapters/capture.py``, in the dialects of ``adapters/dialects``);
+``upstream.py`` the keep-alive client to the engines; ``otlp.py`` decodes an agent's OpenTelemetry
+spans; ``app.py`` serves it all; ``command.py`` is ``lrl.command``.
 """
 
-from .proxy import (BackgroundGateway, CommandFailed, Gateway, GatewayError, check_bind, command, create_app,
-                    local_gateway, serve)
+from .app import BackgroundGateway, check_bind, create_app, serve
+from .command import CommandFailed, command, local_gateway
+from .proxy import Gateway
+from .rollouts import GatewayError
 
 __all__ = ["BackgroundGateway", "CommandFailed", "Gateway", "GatewayError", "check_bind", "command", "create_app",
            "local_gateway", "serve"]

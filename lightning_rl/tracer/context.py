@@ -34,10 +34,32 @@ class RolloutState:
     oldest_call_version: int | None = None  # the rollout's version when it ends
     sampling: dict[str, Any] | None = None  # imposed on every LLM request (rollout_overrides(sampling=))
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # (name, arguments, id) of the tool calls the model asked for and no tool span has claimed yet: a
+    # framework whose tool hook has no call id gets it from here (claim_tool_call)
+    tool_calls_asked: list[tuple[str, str, str]] = field(default_factory=list)
 
     def next_llm_call(self) -> int:
         self.llm_calls += 1
         return next(self.llm_call_counter)
+
+    def note_tool_calls(self, calls: list[tuple[str, str, str]]) -> None:
+        """The tool calls (name, arguments, id) an LLM call of this rollout answered with."""
+        with self.lock:
+            self.tool_calls_asked.extend(calls)
+            del self.tool_calls_asked[:-64]  # the recent ones are the ones a tool runs for
+
+    def claim_tool_call(self, name: str, arguments: Any = None) -> str | None:
+        """The id of the oldest unclaimed tool call of ``name`` (with these arguments, when they match one),
+        for a tool span whose framework does not say it; None if the model asked for none."""
+        with self.lock:
+            candidates = [i for i, (n, _, _) in enumerate(self.tool_calls_asked) if n == name]
+            if not candidates:
+                return None
+            chosen = candidates[0]
+            if isinstance(arguments, str):
+                wanted = _normal_arguments(arguments)
+                chosen = next((i for i in candidates if _normal_arguments(self.tool_calls_asked[i][1]) == wanted), chosen)
+            return self.tool_calls_asked.pop(chosen)[2]
 
     def note_end(self) -> None:
         """A rollout that ends without any LLM call recorded trains nothing: counted, and said once."""
@@ -109,13 +131,42 @@ def current_llm_hint() -> LLMHint | None:
     return _llm_hint.get()
 
 
+#: Adapters of frameworks that keep their own agent context (the OpenAI Agents SDK's current span,
+#: PydanticAI's agent run) register a function that names the agent running now, or None.
+_agent_resolvers: list[Any] = []
+
+
+def register_agent_resolver(resolver: Any) -> None:
+    if resolver not in _agent_resolvers:
+        _agent_resolvers.append(resolver)
+
+
 def current_agent_name() -> str | None:
-    """The innermost agent name: agent_scope(), then the traced function's agent."""
+    """The innermost agent name: agent_scope(), then a framework's own (its adapter's resolver), then
+    the traced function's agent."""
     name = _agent.get()
     if name is not None:
         return name
+    for resolver in _agent_resolvers:
+        try:
+            name = resolver()
+        except Exception as exc:  # a framework's internals changed: the name falls back, said once
+            report_failure(f"agent name from {getattr(resolver, '__module__', resolver)}", exc)
+            name = None
+        if name:
+            return name
     state = _rollout.get()
     return state.agent if state is not None else None
+
+
+def _normal_arguments(arguments: Any) -> Any:
+    """Tool arguments compared by their JSON value, not their spacing."""
+    import orjson
+
+    try:
+        return orjson.loads(arguments) if isinstance(arguments, str) else arguments
+    except orjson.JSONDecodeError:
+        return arguments
 
 
 @contextlib.contextmanager

@@ -321,15 +321,8 @@ def record_tool_span(name: str, call_id: str | None, arguments: Any, handle: Any
 
     span = None
     try:
-        attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: name}
-        if call_id:
-            attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
-        if arguments is not None:
-            attrs[semconv.TOOL_ARGUMENTS] = arguments if isinstance(arguments, str) else _json(arguments)
-        agent = current_agent_name()
-        if agent:
-            attrs[semconv.GEN_AI_AGENT_NAME] = agent
-        span = tracing.tracer.start_span(f"execute_tool {name}", context=parent_context(), attributes=attrs)
+        span = tracing.tracer.start_span(f"execute_tool {name}", context=parent_context(),
+                                         attributes=_tool_attributes(name, call_id, arguments, current_agent_name()))
     except Exception as exc:
         report_failure("tool span", exc)
     if span is None:
@@ -346,6 +339,44 @@ def record_tool_span(name: str, call_id: str | None, arguments: Any, handle: Any
         except Exception as exc:
             report_failure("tool span result", exc)
         span.end()
+
+
+def _tool_attributes(name: str, call_id: str | None, arguments: Any, agent: str | None) -> dict[str, Any]:
+    """A tool span's attributes. Without a call id, the id of the model's matching tool call (from this
+    rollout's LLM answers), so a framework whose tool hook does not carry it still links call and result."""
+    state = _rollout.get()
+    if not call_id and state is not None:
+        call_id = state.claim_tool_call(name, arguments)
+    attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: name}
+    if call_id:
+        attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
+    if arguments is not None:
+        attrs[semconv.TOOL_ARGUMENTS] = arguments if isinstance(arguments, str) else _json(arguments)
+    if agent:
+        attrs[semconv.GEN_AI_AGENT_NAME] = agent
+    return attrs
+
+
+def record_finished_tool_span(name: str, *, call_id: str | None = None, arguments: Any = None, result: Any = None,
+                              agent: str | None = None, start_ns: int | None = None, end_ns: int | None = None,
+                              error: str | None = None) -> None:
+    """A tool call a framework reports after it ran (its hook gives times, arguments and result): an
+    ``execute_tool {name}`` span of the active rollout. Never raises."""
+    if _rollout.get() is None:
+        return
+    try:
+        from .context import current_agent_name
+
+        attrs = _tool_attributes(name, call_id, arguments, agent or current_agent_name())
+        if result is not None:
+            attrs[semconv.TOOL_RESULT] = result if isinstance(result, str) else _json(result)
+        span = tracing.tracer.start_span(f"execute_tool {name}", context=parent_context(), attributes=attrs,
+                                         start_time=start_ns)
+        if error:
+            span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, error))
+        span.end(end_time=end_ns)
+    except Exception as exc:
+        report_failure("tool span", exc)
 
 
 def _json(value: Any) -> str:

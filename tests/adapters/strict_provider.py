@@ -19,11 +19,13 @@ KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperatur
 def make_app() -> FastAPI:
     app = FastAPI()
     app.state.requests = []
+    app.state.paths = []
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body = await request.json()
         app.state.requests.append(body)
+        app.state.paths.append(request.url.path)
         unknown = sorted(set(body) - KNOWN)
         if unknown:
             return JSONResponse(status_code=400, content={"error": {
@@ -38,6 +40,7 @@ def make_app() -> FastAPI:
     async def responses(request: Request) -> Any:
         body = await request.json()
         app.state.requests.append(body)
+        app.state.paths.append(request.url.path)
         return {"id": "resp-1", "object": "response", "created_at": int(time.time()), "model": body["model"],
                 "status": "completed", "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
                 "output": [{"type": "message", "id": "msg-1", "role": "assistant", "status": "completed",
@@ -60,6 +63,10 @@ class StrictProvider:
     @property
     def requests(self) -> list[dict]:
         return self.app.state.requests
+
+    @property
+    def paths(self) -> list[str]:
+        return self.app.state.paths
 
     def __enter__(self) -> "StrictProvider":
         self._thread.start()

@@ -19,7 +19,7 @@ import requests
 
 import lightning_rl as lrl
 from lightning_rl import diagnostics
-from lightning_rl.adapters import openai as adapter
+from lightning_rl.adapters import capture
 
 from .vllm_like import VLLMLike
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def engine():
     with VLLMLike() as e:
         yield e
-    adapter._takes_token_fields.clear()
+    capture.takes_token_fields.clear()
 
 
 def test_otel_sdk_disabled_does_not_switch_capture_off(tmp_path, engine):
@@ -84,17 +84,25 @@ def test_a_400_that_is_not_about_the_token_fields_is_sent_once(traced, engine):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
 
 
-def test_llm_calls_that_bypass_the_openai_client_are_recorded_or_counted(traced, engine):
+def test_llm_calls_that_bypass_the_openai_client_are_captured_or_counted(traced, engine):
+    """httpx (LiteLLM's hosted_vllm/, the Anthropic client) is taken over: the engine's ids, streamed too, and
+    the answer as the caller asked for it; requests is recorded from the exchange; aiohttp is counted."""
     diagnostics.reset()
     url = engine.base_url + "/chat/completions"
 
     @lrl.trace
     def direct(task):
-        httpx.post(url, json={**CHAT, "return_token_ids": True, "logprobs": True})  # asks for the ids itself
-        requests.post(url, json=CHAT, timeout=10)  # does not: recorded without them
-        with httpx.stream("POST", url, json={**CHAT, "stream": True}) as streamed:  # a stream: counted
-            streamed.read()
-        httpx.post(engine.base_url + "/messages", json={"model": "m", "max_tokens": 4, "messages": []})
+        plain = httpx.post(url, json=CHAT).json()  # the token fields are added, and taken out of the answer
+        assert plain["choices"][0]["message"]["content"] == "42" and "prompt_token_ids" not in plain
+        assert plain["choices"][0]["logprobs"] is None and "token_ids" not in plain["choices"][0]
+        requests.post(url, json=CHAT, timeout=10)  # requests: recorded as sent (no ids asked for)
+        with httpx.stream("POST", url, json={**CHAT, "stream": True}) as streamed:  # a stream, relayed
+            text = "".join(json.loads(line[5:])["choices"][0]["delta"].get("content", "")
+                           for line in streamed.iter_lines() if line.startswith("data: {"))
+        assert text == "42"
+        message = httpx.post(engine.base_url + "/messages", json={"model": "m", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "2+2?"}]}).json()  # Anthropic Messages, through chat completions
+        assert message["type"] == "message" and message["content"] == [{"type": "text", "text": "42"}]
         httpx.get(engine.url + "/docs")  # not an LLM call: ignored
         return 1.0
 
@@ -107,24 +115,26 @@ def test_llm_calls_that_bypass_the_openai_client_are_recorded_or_counted(traced,
     @lrl.trace
     async def other(task):
         async with httpx.AsyncClient() as client:
-            await client.post(url, json={**CHAT, "return_token_ids": True})
+            await client.post(url, json=CHAT)
         await with_aiohttp()
         return 1.0
 
     direct("x")
     asyncio.run(other("y"))
     first, second = traced.trajectories()
-    assert [c.token_ids_source.value for c in first.llm_calls] == ["engine", "missing"]
-    call = first.llm_calls[0]
-    assert call.prompt_token_ids == [11, 12, 13] and call.response_token_ids == [19, 20]
-    assert call.response_logprobs == [-0.25, -0.5] and call.output_messages[0]["content"] == "42"
+    assert [c.token_ids_source.value for c in first.llm_calls] == ["engine", "missing", "engine", "engine"]
+    for call in (first.llm_calls[0], first.llm_calls[2], first.llm_calls[3], second.llm_calls[0]):
+        assert call.prompt_token_ids == [11, 12, 13] and call.response_token_ids == [19, 20]
+        assert call.response_logprobs == [-0.25, -0.5]
+    assert first.llm_calls[2].streamed and first.llm_calls[0].output_messages[0]["content"] == "42"
     assert [c.token_ids_source.value for c in second.llm_calls] == ["engine"]
+    assert engine.requests[0]["return_token_ids"] is True and "return_token_ids" not in engine.requests[1]
     stats = lrl.stats()
-    assert stats["llm_calls_bypassing_capture"] == 6  # 2 recorded, a stream, messages; async: 1 recorded, aiohttp
-    assert stats["llm_calls_bypassing_capture:httpx"] == 4 and stats["llm_calls_bypassing_capture:requests"] == 1
-    assert stats["llm_calls_bypassing_capture:aiohttp"] == 1
+    assert stats["llm_calls_captured_at_http_layer:httpx"] == 4
+    assert stats["llm_calls_bypassing_capture"] == 2  # requests (recorded without ids) and aiohttp (counted)
+    assert stats["llm_calls_bypassing_capture:requests"] == 1 and stats["llm_calls_bypassing_capture:aiohttp"] == 1
     samples, _ = traced.samples()
-    assert len(samples) == 2  # the calls with the engine's ids train; the rest is visible, not silent
+    assert len(samples) == 4  # the calls with the engine's ids train; the rest is visible, not silent
 
     client = openai.OpenAI(base_url=engine.base_url, api_key="k")  # the instrumented client: not counted again
 
@@ -134,7 +144,8 @@ def test_llm_calls_that_bypass_the_openai_client_are_recorded_or_counted(traced,
         return 1.0
 
     instrumented("z")
-    assert lrl.stats()["llm_calls_bypassing_capture"] == 6
+    assert lrl.stats()["llm_calls_bypassing_capture"] == 2
+    assert lrl.stats()["llm_calls_captured_at_http_layer:httpx"] == 4
 
 
 def test_a_rollout_that_records_no_llm_call_is_counted_and_marked(traced, engine, tmp_path):

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 import lightning_rl as lrl
-from lightning_rl.adapters import openai as adapter
+from lightning_rl.adapters import capture
 
 from .strict_provider import StrictProvider
 
@@ -15,7 +15,7 @@ from .strict_provider import StrictProvider
 def provider():
     with StrictProvider() as p:
         yield p
-    adapter._takes_token_fields.clear()
+    capture.takes_token_fields.clear()
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -51,7 +51,7 @@ async def test_a_provider_that_refuses_token_fields_still_answers_the_agent(trac
 
 
 def test_a_refusal_from_a_server_known_to_take_the_fields_is_not_retried(traced, provider):
-    adapter._takes_token_fields[f"127.0.0.1:{provider.base_url.split(':')[2].split('/')[0]}"] = True
+    capture.takes_token_fields[f"127.0.0.1:{provider.base_url.split(':')[2].split('/')[0]}"] = True
     client = openai.OpenAI(base_url=provider.base_url, api_key="k")
 
     @lrl.trace
@@ -75,8 +75,25 @@ def test_hosts_listed_in_the_settings_never_get_the_fields(traced, provider, mon
     assert len(provider.requests) == 1 and "return_token_ids" not in provider.requests[0]
 
 
-def test_responses_api_calls_are_counted_and_reported_as_unrecorded(traced, provider):
-    before = lrl.stats().get("llm_calls_unrecorded_responses_api", 0)
+def test_the_responses_api_to_a_provider_goes_through_the_chat_dialect_and_is_recorded(traced, provider):
+    """Issue 32: a Responses call to a server that is not a hosted API is sent as a chat completion (its
+    dialect) and recorded; this provider refuses the token fields, so it is recorded without ids."""
+    client = openai.OpenAI(base_url=provider.base_url, api_key="k")
+
+    @lrl.trace
+    def agent(q):
+        return client.responses.create(model="hosted", input=q).output_text
+
+    assert agent("What is 12+30?") == "42"  # the chat answer, in the Responses format
+    assert provider.paths == ["/v1/chat/completions", "/v1/chat/completions"]  # refused with the fields, resent
+    (t,) = traced.trajectories()
+    (call,) = t.llm_calls
+    assert call.token_ids_source == "missing" and call.output_messages[0]["content"] == "42"
+
+
+def test_the_responses_api_to_a_hosted_api_passes_unchanged_and_is_counted(traced, provider, monkeypatch):
+    monkeypatch.setattr(lrl.tracer.tracing.settings, "no_inject_hosts", frozenset({"127.0.0.1"}))
+    before = lrl.stats().get("llm_calls_bypassing_capture:httpx2", 0)
     client = openai.OpenAI(base_url=provider.base_url, api_key="k")
 
     @lrl.trace
@@ -84,9 +101,10 @@ def test_responses_api_calls_are_counted_and_reported_as_unrecorded(traced, prov
         return client.responses.create(model="hosted", input=q).output_text
 
     assert agent("What is 12+30?") == "42"
-    assert lrl.stats()["llm_calls_unrecorded_responses_api"] - before == 1
+    assert provider.paths == ["/v1/responses"]
+    assert lrl.stats()["llm_calls_bypassing_capture:httpx2"] - before == 1
     (t,) = traced.trajectories()
-    assert t.status == "succeeded" and t.llm_calls == []
+    assert t.llm_calls == []
 
 
 def test_a_trainer_imposes_its_sampling_settings_on_the_agents_requests(traced, provider):

@@ -5,6 +5,7 @@ the token fields (a context-length error). Real HTTP, for the clients that are n
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,10 +35,20 @@ def make_app() -> FastAPI:
         logprobs = {"content": [{"token": "4", "logprob": -0.25, "bytes": None, "top_logprobs": []},
                                 {"token": "2", "logprob": -0.5, "bytes": None, "top_logprobs": []}]} \
             if body.get("logprobs") else None
-        if body.get("stream"):
+        if body.get("stream"):  # as vLLM streams: the prompt's ids in the first chunk, each token's with it
+            first = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body.get("model"),
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            chunks = [{"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body.get("model"),
+                       "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": reason,
+                                    "logprobs": {"content": [logprobs["content"][i]]} if logprobs else None,
+                                    **({"token_ids": [tid]} if ids else {})}]}
+                      for i, (text, tid, reason) in enumerate((("4", 19, None), ("2", 20, "stop")))]
+            if ids:
+                first["prompt_token_ids"] = [11, 12, 13]
+
             def events():
-                yield b'data: {"id":"c1","object":"chat.completion.chunk","created":0,"model":"m","choices":' \
-                      b'[{"index":0,"delta":{"role":"assistant","content":"42"},"finish_reason":"stop"}]}\n\n'
+                for chunk in (first, *chunks):
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import lightning_rl as lrl
 from lightning_rl import semconv
-from lightning_rl.adapters.openai import LLMCall
+from lightning_rl.adapters.capture import CapturedCall, Server
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import PackedTokens, SpanRow, pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 from lightning_rl.store import migrations
@@ -221,7 +221,8 @@ def test_the_tracer_hands_arrays_beside_otel_attributes_exactly(tmp_path, where)
         @lrl.trace
         def agent() -> float:
             for prompt, response, logprobs in turns:
-                LLMCall(client, options, "chat", current_rollout()).record_response(_completion(prompt, response, logprobs))
+                CapturedCall(Server.from_url(client.base_url), options.json_data, "chat",
+                             current_rollout()).record_response(_completion(prompt, response, logprobs))
             return 1.0
 
         agent()

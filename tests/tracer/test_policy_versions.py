@@ -21,11 +21,11 @@ from ..conftest import ROOT
 
 @pytest.fixture
 def provider():
-    from lightning_rl.adapters import openai as adapter
+    from lightning_rl.adapters import capture
 
     with StrictProvider() as p:
         yield p
-    adapter._takes_token_fields.clear()
+    capture.takes_token_fields.clear()
 
 
 def _call_versions(store, rollout_id):

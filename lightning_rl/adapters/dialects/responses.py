@@ -3,9 +3,9 @@
 Like Anthropic Messages (``anthropic.py``): the request goes to the engine as chat completions, so the
 engine's token ids come with it and the call is recorded like any other, and the answer comes back
 as a response object, or as the Responses stream's events (``response.created`` ...
-``response.completed``). The gateway keeps no responses of its own, so ``previous_response_id`` is
-refused (send the whole conversation in ``input``), as are items and tools chat completions cannot
-carry (images, files, built-in tools, reasoning items): a 400 that names them, never dropped.
+``response.completed``). No responses are kept, so ``previous_response_id`` is refused (send the whole
+conversation in ``input``), as are items and tools chat completions cannot carry (images, files,
+built-in tools, reasoning items): a 400 that names them, never dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from .anthropic import TranslationError
+from .chat import TranslationError
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -40,7 +40,7 @@ def _text(content: Any, where: str) -> str:
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A Responses request as a chat-completions request."""
     if body.get("previous_response_id"):
-        raise TranslationError("previous_response_id: the gateway keeps no responses; send the whole conversation "
+        raise TranslationError("previous_response_id: lightning-rl keeps no responses; send the whole conversation "
                                "in input")
     messages: list[dict[str, Any]] = []
     if body.get("instructions"):

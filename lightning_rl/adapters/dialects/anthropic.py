@@ -1,10 +1,10 @@
 """Anthropic Messages (``POST /v1/messages``) through chat completions.
 
-The gateway turns a Messages request into a chat-completions request, so that the engine's token ids
-come with it and the call is recorded like any other (``proxy.py``), and turns the answer back: a
-message, or the Messages stream's events (``message_start``, ``content_block_*``, ``message_delta``,
-``message_stop``). What chat completions cannot say (images, documents, thinking blocks) is refused
-with a 400 that names the block, never dropped.
+A Messages request becomes a chat-completions request, so that the engine's token ids come with it
+and the call is recorded like any other (in-process by the HTTP layer, ``adapters/http_clients.py``,
+and by the gateway), and the answer is turned back: a message, or the Messages stream's events
+(``message_start``, ``content_block_*``, ``message_delta``, ``message_stop``). What chat completions
+cannot say (images, documents, thinking blocks) is refused with a 400 that names the block, never dropped.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from typing import Any
 
 import orjson
 
-
-class TranslationError(ValueError):
-    """A Messages request that chat completions cannot carry (answered 400)."""
+from .chat import TranslationError
 
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
@@ -85,9 +83,10 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if body.get("tools"):
-        chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                                           "parameters": t.get("input_schema", {})}}
-                         for t in body["tools"]]
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description", ""), "parameters": t.get("input_schema", {}),
+            **({"strict": t["strict"]} if isinstance(t.get("strict"), bool) else {})}}  # Anthropic's strict tool use
+            for t in body["tools"]]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         kind = choice.get("type")

@@ -1,0 +1,457 @@
+"""The capture core: one LLM exchange inside a rollout, recorded as a GenAI span with the engine's ids.
+
+Every entry point builds the same record from what it has, never from another's objects: the openai
+client adapter (``adapters/openai.py``), the HTTP layer (``adapters/http_clients.py``: httpx, httpx2,
+requests, and the Responses and Anthropic Messages dialects sent to an engine as chat completions) and
+the gateway. Each gives a :class:`CapturedCall` the server it talks to (:class:`Server`), the request
+as a dict, and then the answer: a whole response, or stream chunks as they come (the engine's JSON as
+dicts, or the openai client's objects). The call says which fields to add to the request
+(``extra``: ``return_token_ids`` and ``logprobs``, and the trainer's sampling settings), and the
+entry point sends them.
+
+Which servers get the token fields (``return_token_ids``, ``logprobs``):
+
+* never api.openai.com or api.anthropic.com, nor the hosts in ``LIGHTNING_RL_NO_INJECT_HOSTS``;
+* a server that answered with token ids is known to take them (:data:`takes_token_fields`);
+* any other server gets them on its first call; if it refuses that request (400 or 422) naming one of
+  them (or saying it refuses fields it does not know), the entry point sends it once more without them
+  (:func:`resend_without_token_fields`), the server is remembered as one that does not take them, and
+  the fallback is counted (``llm_requests_resent_without_token_fields``) and logged once. Any other
+  refusal (a context-length error) goes back to the agent after one request.
+
+Where the server returns no ids the call is still recorded with ``token_ids.source = missing``.
+Nothing here raises into the caller: failures are logged once per cause and counted.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from .. import semconv
+from ..diagnostics import count, report_failure
+from ..records import PackedTokens
+from ..tracer.context import RolloutState, _llm_hint, current_agent_name
+from ..tracer.provider import parent_context, tracing
+
+_SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "n",
+    "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
+)
+_NUMERIC_REQUEST_ATTRIBUTES = (
+    ("temperature", semconv.GEN_AI_REQUEST_TEMPERATURE), ("top_p", semconv.GEN_AI_REQUEST_TOP_P),
+    ("seed", semconv.GEN_AI_REQUEST_SEED), ("max_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
+    ("max_completion_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
+)
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    return getattr(obj, name, None)
+
+
+def _model_extra(obj: Any) -> dict[str, Any]:
+    return getattr(obj, "model_extra", None) or {}
+
+
+def _itself(obj: Any) -> Any:
+    return obj
+
+
+def _json_default(obj: Any) -> Any:
+    dump = getattr(obj, "model_dump", None)  # pydantic / openai objects in user messages
+    if callable(dump):
+        return dump(mode="json", exclude_none=True)
+    return repr(obj)
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value, default=_json_default).decode()
+
+
+#: Hosted APIs: their requests are never changed (they refuse unknown fields, and return no ids anyway).
+HOSTED = frozenset({"api.openai.com", "api.anthropic.com"})
+#: "host:port" -> True (answered with token ids) / False (refused the fields); absent: not known yet
+takes_token_fields: dict[str, bool] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """The engine an exchange goes to: its host and port (what the token-field policy is kept by)."""
+
+    host: str | None
+    port: int | None
+
+    @classmethod
+    def from_url(cls, url: Any) -> "Server":
+        """From a URL (a string, or an httpx/httpx2 URL)."""
+        host = getattr(url, "host", None)
+        if host is not None:
+            return cls(host or None, getattr(url, "port", None))
+        parts = urlsplit(str(url))
+        return cls(parts.hostname, parts.port)
+
+    @property
+    def key(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def hosted(self) -> bool:
+        return self.host in HOSTED or self.host in tracing.settings.no_inject_hosts
+
+
+class _Choice:
+    """What one response choice says (from a full response, or accumulated from stream chunks)."""
+
+    __slots__ = ("content", "tool_calls", "finish_reason", "token_ids", "logprobs", "has_ids")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.has_ids = False
+
+
+class CapturedCall:
+    """One in-flight LLM exchange inside a rollout, and its span.
+
+    ``request``: what the agent asked (a dict, as sent); ``extra``: the fields to add to it before it is
+    sent. Responses and stream chunks are read as the openai client's objects, or with ``json=True`` as
+    the engine's JSON itself (plain dicts: the gateway and the HTTP layer). One reader for both: only how
+    a field is fetched differs (an attribute, or a key; vLLM's extra fields are ``model_extra`` there and
+    plain keys here). ``inject=False``: add no token fields (the request is recorded as it was sent)."""
+
+    # how a field of a response is fetched (openai's objects)
+    _get = staticmethod(_attribute)
+    _extra = staticmethod(_model_extra)
+    _logprob = staticmethod(operator.attrgetter("logprob"))
+
+    def __init__(self, server: Server, request: dict[str, Any], op: str, state: RolloutState, *, json: bool = False,
+                 inject: bool = True) -> None:
+        if json:  # the engine's JSON, as dicts
+            self._get, self._extra, self._logprob = dict.get, _itself, operator.itemgetter("logprob")
+        extra: dict[str, Any] = {}
+        if state.sampling:  # the trainer's sampling settings win over the agent's (verl)
+            extra.update({k: v for k, v in state.sampling.items() if v is not None})
+        request = {**request, **extra} if extra else request
+        self.server = server.key
+        self.injected: tuple[str, ...] = ()
+        self.asked_for_ids = bool(request.get("return_token_ids"))  # by the caller itself
+        settings = tracing.settings
+        if inject and not server.hosted and takes_token_fields.get(self.server) is not False:
+            injected = []
+            if settings.capture_token_ids and "return_token_ids" not in request:
+                extra["return_token_ids"] = True
+                injected.append("return_token_ids")
+            if settings.capture_logprobs and request.get("logprobs") is None:
+                extra["logprobs"] = True if op == semconv.OP_CHAT else 0
+                injected.append("logprobs")
+            self.injected = tuple(injected)
+        self.extra = extra
+        self.state = state
+        self.op = op
+        self.index = state.next_llm_call()
+        hint = _llm_hint.get()
+        self.agent = (hint.agent if hint is not None else None) or current_agent_name()
+        self.model = request.get("model")
+        self.version = tracing.policy_version(self.model)
+        self.done = False
+        self.streamed = False
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_ids: list[int] | None = None
+        self.response_meta: dict[str, Any] = {}
+        if op == semconv.OP_CHAT:
+            messages = request.get("messages") or []
+        else:
+            messages = [{"role": "prompt", "content": request.get("prompt")}]
+        attributes: dict[str, Any] = {
+            semconv.GEN_AI_OPERATION_NAME: op,
+            semconv.GEN_AI_PROVIDER_NAME: "openai",
+            semconv.ROLLOUT_ID: state.rollout_id,
+            semconv.LLM_CALL_INDEX: self.index,
+            semconv.POLICY_VERSION: state.call_version(self.version),
+            semconv.GEN_AI_INPUT_MESSAGES: _dumps(messages),
+        }
+        if self.model is not None:
+            attributes[semconv.GEN_AI_REQUEST_MODEL] = str(self.model)
+        if self.agent is not None:
+            attributes[semconv.GEN_AI_AGENT_NAME] = self.agent
+        sampling = {k: v for k in _SAMPLING_KEYS if (v := request.get(k)) is not None}
+        attributes[semconv.SAMPLING_PARAMS] = _dumps(sampling)
+        for key, attr in _NUMERIC_REQUEST_ATTRIBUTES:
+            value = sampling.get(key)
+            if value is not None and type(value) in (int, float):
+                attributes[attr] = value
+        if request.get("tools"):
+            attributes[semconv.GEN_AI_TOOL_DEFINITIONS] = _dumps(request["tools"])
+        if server.host:
+            attributes[semconv.SERVER_ADDRESS] = server.host
+            if server.port:
+                attributes[semconv.SERVER_PORT] = server.port
+        if hint is not None:
+            hint.recorded += 1
+            if hint.framework_run_id is not None:
+                attributes[semconv.FRAMEWORK_RUN_ID] = hint.framework_run_id
+        self.span = tracing.tracer.start_span(
+            f"{op} {self.model}", kind=SpanKind.CLIENT, attributes=attributes,
+            context=parent_context(hint.parent if hint is not None else None),
+        )
+        state.open_calls[self.index] = self
+
+    # -- full responses ----------------------------------------------------------------------------
+    def record_response(self, resp: Any) -> None:
+        self.read_response(resp)
+        self.finish()
+
+    def fail(self, error: BaseException) -> None:
+        """The request raised. Errors that carry the completion (openai's LengthFinishReasonError
+        when parsing a truncated structured output) still have the engine's tokens: keep them."""
+        completion = getattr(error, "completion", None)
+        if completion is not None and hasattr(completion, "choices"):
+            self.read_response(completion)
+        self.finish(error=error)
+
+    def read_response(self, resp: Any) -> None:
+        get, extra = self._get, self._extra
+        try:
+            self.prompt_ids = extra(resp).get("prompt_token_ids")
+            for choice in get(resp, "choices") or ():
+                c = self.choices.setdefault(get(choice, "index") or 0, _Choice())
+                cextra = extra(choice)
+                if self.prompt_ids is None and cextra.get("prompt_token_ids") is not None:
+                    self.prompt_ids = cextra["prompt_token_ids"]  # /completions puts them in the choice
+                ids = cextra.get("token_ids")
+                if ids is not None:
+                    c.token_ids, c.has_ids = list(ids), True
+                c.finish_reason = get(choice, "finish_reason")
+                message = get(choice, "message")
+                lp = get(choice, "logprobs")
+                if message is not None:
+                    c.content = [get(message, "content") or ""]
+                    for i, tc in enumerate(get(message, "tool_calls") or ()):
+                        fn = get(tc, "function")
+                        c.tool_calls[i] = {
+                            "id": get(tc, "id"), "type": "function",
+                            "function": {"name": (get(fn, "name") if fn is not None else None) or "",
+                                         "arguments": (get(fn, "arguments") if fn is not None else None) or ""},
+                        }
+                    if lp is not None and (content := get(lp, "content")):
+                        c.logprobs = list(map(self._logprob, content))
+                else:
+                    c.content = [get(choice, "text") or ""]
+                    if lp is not None and (values := get(lp, "token_logprobs")):
+                        c.logprobs = [x if x is not None else 0.0 for x in values]
+            self._meta_from(resp)
+            usage = get(resp, "usage")
+            if usage is not None:
+                self.response_meta["usage"] = usage
+        except Exception as exc:
+            report_failure("reading an LLM response", exc)
+
+    def _meta_from(self, obj: Any) -> None:
+        if "id" not in self.response_meta and (response_id := self._get(obj, "id")):
+            self.response_meta["id"] = response_id
+            self.response_meta["model"] = self._get(obj, "model")
+
+    # -- streams -----------------------------------------------------------------------------------
+    def on_chunk(self, chunk: Any) -> None:
+        get, extra = self._get, self._extra
+        try:
+            self._meta_from(chunk)
+            if self.prompt_ids is None:
+                self.prompt_ids = extra(chunk).get("prompt_token_ids")
+            usage = get(chunk, "usage")
+            if usage is not None:
+                self.response_meta["usage"] = usage
+            for choice in get(chunk, "choices") or ():
+                c = self.choices.setdefault(get(choice, "index") or 0, _Choice())
+                cextra = extra(choice)
+                if self.prompt_ids is None and cextra.get("prompt_token_ids") is not None:
+                    self.prompt_ids = cextra["prompt_token_ids"]
+                ids = cextra.get("token_ids")
+                if ids:
+                    c.token_ids.extend(ids)
+                    c.has_ids = True
+                elif ids is not None:
+                    c.has_ids = True
+                if finish_reason := get(choice, "finish_reason"):
+                    c.finish_reason = finish_reason
+                delta = get(choice, "delta")
+                lp = get(choice, "logprobs")
+                if delta is not None:
+                    if content := get(delta, "content"):
+                        c.content.append(content)
+                    for tc in get(delta, "tool_calls") or ():
+                        slot = c.tool_calls.setdefault(
+                            get(tc, "index"), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                        )
+                        if call_id := get(tc, "id"):
+                            slot["id"] = call_id
+                        fn = get(tc, "function")
+                        if fn is not None:
+                            slot["function"]["name"] += get(fn, "name") or ""
+                            slot["function"]["arguments"] += get(fn, "arguments") or ""
+                    if lp is not None and (content := get(lp, "content")):
+                        c.logprobs.extend(map(self._logprob, content))
+                else:
+                    if text := get(choice, "text"):
+                        c.content.append(text)
+                    if lp is not None and (values := get(lp, "token_logprobs")):
+                        c.logprobs.extend(x if x is not None else 0.0 for x in values)
+        except Exception as exc:
+            report_failure("reading a streamed LLM chunk", exc)
+
+    # -- the end -----------------------------------------------------------------------------------
+    def _choice_attributes(self, c: _Choice) -> tuple[dict[str, Any], PackedTokens | None]:
+        """The span attributes of one choice, and its token arrays (packed once; they go to the store
+        beside the span, not through OpenTelemetry's per-element attribute checks)."""
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.content)}
+        if c.tool_calls:
+            message["tool_calls"] = [c.tool_calls[i] for i in sorted(c.tool_calls)]
+        attrs: dict[str, Any] = {semconv.GEN_AI_OUTPUT_MESSAGES: _dumps([message])}
+        if c.finish_reason:
+            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (c.finish_reason,)
+        tokens = None
+        if c.has_ids and self.prompt_ids is not None:
+            takes_token_fields[self.server] = True
+            try:
+                tokens = PackedTokens.of(self.prompt_ids, c.token_ids, c.logprobs or None)
+            except (OverflowError, TypeError) as exc:
+                report_failure("packing token ids", exc)
+        if tokens is not None:
+            attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_ENGINE
+        else:
+            attrs[semconv.TOKEN_IDS_SOURCE] = semconv.SOURCE_MISSING
+            count("llm_calls_without_token_ids")
+            if self.injected or self.asked_for_ids:
+                report_failure(
+                    "token id capture",
+                    message="lightning-rl: an LLM call returned no token ids; it is recorded with "
+                    "token_ids.source=missing and left out of training samples (serve with vLLM >= 0.10.2, "
+                    "which honours return_token_ids)",
+                )
+            else:
+                report_failure("token ids not asked for", message=(
+                    "lightning-rl: an LLM call was recorded without token ids because its request did not ask for "
+                    "them (return_token_ids was not sent: capture is off for this host or this call bypassed the "
+                    "openai client); it is left out of training samples"))
+        return attrs, tokens
+
+    def finish(self, *, incomplete: bool = False, error: BaseException | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.state.open_calls.pop(self.index, None)
+        try:
+            meta = self.response_meta
+            common: dict[str, Any] = {}
+            if meta.get("id"):
+                common[semconv.GEN_AI_RESPONSE_ID] = meta["id"]
+            if meta.get("model"):
+                common[semconv.GEN_AI_RESPONSE_MODEL] = meta["model"]
+            usage = meta.get("usage")
+            if usage is not None:
+                common[semconv.GEN_AI_USAGE_INPUT_TOKENS] = self._get(usage, "prompt_tokens") or 0
+                common[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = self._get(usage, "completion_tokens") or 0
+            if incomplete:
+                common[semconv.INCOMPLETE] = True
+            if self.streamed:
+                common[semconv.STREAMED] = True
+            version_end = tracing.policy_version(self.model)
+            if version_end != self.version:  # a publish landed while the call ran
+                common[semconv.POLICY_VERSION_END] = version_end
+            indices = sorted(self.choices) or [0]
+            first = self.choices.get(indices[0], _Choice())
+            span = self.span
+            if error is None or self.choices:
+                attrs, tokens = self._choice_attributes(first)
+                span.set_attributes({**common, **attrs})
+                if tokens is not None:
+                    tracing.processor.attach_tokens(span, tokens)
+            else:
+                span.set_attributes({**common, semconv.TOKEN_IDS_SOURCE: semconv.SOURCE_MISSING})
+            if error is not None:
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            span.end()
+            self.state.llm_call_finished(self.index, self.agent)
+            if first.tool_calls:  # a framework's tool hook without call ids finds them here
+                self.state.note_tool_calls([(c["function"]["name"], c["function"]["arguments"], c["id"])
+                                            for c in (first.tool_calls[i] for i in sorted(first.tool_calls)) if c["id"]])
+            for i in indices[1:]:  # n > 1: every further choice is an LLM call (and a sample) of its own
+                self._extra_choice_span(common, self.choices[i], i)
+        except Exception as exc:
+            report_failure("recording an LLM call", exc)
+
+    def _extra_choice_span(self, common: dict[str, Any], choice: _Choice, i: int) -> None:
+        index = self.state.next_llm_call()
+        attrs = dict(self.span.attributes)
+        attrs.update(common)
+        choice_attrs, tokens = self._choice_attributes(choice)
+        attrs.update(choice_attrs)
+        attrs[semconv.LLM_CALL_INDEX] = index
+        attrs[semconv.CHOICE_INDEX] = i
+        span = tracing.tracer.start_span(
+            self.span.name, kind=SpanKind.CLIENT, attributes=attrs, start_time=self.span.start_time
+        )
+        if tokens is not None:
+            tracing.processor.attach_tokens(span, tokens)
+        span.end()
+        self.state.llm_call_finished(index, self.agent)
+
+
+# -- attaching to whatever the client returns ----------------------------------------------------
+
+
+_UNKNOWN_FIELD_WORDS = ("extra inputs are not permitted", "extra_forbidden", "unrecognized request argument",
+                        "unknown field", "unknown parameter", "unexpected keyword", "additional properties")
+
+
+def _refuses_token_fields(error: BaseException, injected: tuple[str, ...]) -> bool:
+    """Whether a 400/422 is about the fields we added: its text names one, or says it refuses unknown
+    fields. Any other refusal (a context-length error, a bad message) is the agent's, sent once."""
+    body = getattr(error, "body", None)
+    text = f"{error} {body if body is not None else ''}".lower()
+    return any(field in text for field in injected) or any(words in text for words in _UNKNOWN_FIELD_WORDS)
+
+
+def resend_without_token_fields(call: CapturedCall, error: BaseException) -> bool:
+    """Whether to send the request once more without the fields we added: the server refused it
+    (400/422) because of them, and it is not known to take them. If so, ``call.extra`` no longer
+    holds them: the entry point sends the request again with what is left."""
+    if not call.injected or takes_token_fields.get(call.server) is not None:
+        return False
+    if getattr(error, "status_code", None) not in (400, 422):
+        return False
+    if not _refuses_token_fields(error, call.injected):
+        count("llm_requests_refused_not_for_token_fields")  # the agent's own error: answered after one request
+        return False
+    call.extra = {k: v for k, v in call.extra.items() if k not in call.injected}
+    call.injected = ()
+    return True
+
+
+def refused_token_fields(call: CapturedCall) -> None:
+    """The request went through without the token fields: remember the server, count, log once."""
+    takes_token_fields[call.server] = False
+    count("llm_requests_resent_without_token_fields")
+    report_failure(f"token fields refused by {call.server}", message=(
+        f"lightning-rl: the server at {call.server} refused return_token_ids/logprobs (HTTP 400/422); the "
+        "request was sent again without them, and calls to it are recorded without token ids (not trained on). "
+        "Serve the model with vLLM >= 0.10.2 to train on these calls, or list the host in "
+        "LIGHTNING_RL_NO_INJECT_HOSTS to skip the first try"))
+
+
+class EngineRefusal(Exception):
+    """An engine's answer other than 200, as the entry points hand it to :func:`resend_without_token_fields`
+    and record it on the call (``status_code``; the text says which field it refused)."""
+
+    def __init__(self, status_code: int, text: str) -> None:
+        super().__init__(f"the engine answered {status_code}: {text[:500]}")
+        self.status_code = status_code

@@ -1,0 +1,346 @@
+"""The gateway's app: FastAPI for the rollout, reward, finish and OTLP routes, and a raw ASGI front for the
+calls (``_CallFront``: the hot path, no framework in it) in each dialect (``adapters/dialects``); the
+sweeps; serving it (``serve``, ``BackgroundGateway``). What each route does: ``proxy.py``'s doc."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+
+from ..adapters.dialects import DIALECTS, Dialect, TranslationError
+from ..adapters.dialects.chat import error as openai_error
+from ..boundaries import json_problem, message_problems
+from ..diagnostics import report_failure
+from ..errors import ConfigurationError
+from . import otlp
+from .forwarding import Relay
+from .proxy import Gateway
+from .rollouts import GatewayError, OpenRollout
+from .upstream import UpstreamError
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+except ImportError as exc:  # the gateway is an extra, like the store server
+    raise ConfigurationError(
+        f"the gateway needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
+    ) from None
+
+AGENT_HEADER = "x-lightning-rl-agent"
+
+
+def create_app(gateway: Gateway) -> Any:
+    """The ASGI app serving ``gateway``."""
+
+    async def sweep() -> None:
+        every = min(60.0, gateway.idle_timeout / 4)
+        while True:
+            try:  # first at start: what a gateway killed before this one left running
+                await asyncio.to_thread(gateway.expire_orphans)
+            except Exception as exc:
+                report_failure("gateway orphan sweep", exc)
+            await asyncio.sleep(every)
+            try:
+                await asyncio.to_thread(gateway.expire_idle)
+            except Exception as exc:
+                report_failure("gateway idle sweep", exc)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        sweeper = asyncio.ensure_future(sweep()) if gateway.idle_timeout is not None else None
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+            try:  # on this thread: at interpreter exit (a local gateway) no worker thread can be started
+                gateway.end_all("the gateway stopped before the rollout was finished (its key died with it); the "
+                                "calls so far are recorded")
+            except Exception as exc:  # the store may be gone already; the records so far stay as they are
+                report_failure("gateway stop", exc)
+            await gateway.close()
+
+    app = FastAPI(title="lightning-rl gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    def _json(data: Any, status: int = 200) -> Response:
+        return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+    async def _raw(request: Request) -> bytes:
+        """The body, read up to the limit (413 beyond it, also when it comes chunked)."""
+        limit = gateway.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+        parts, size = [], 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+            parts.append(piece)
+        return b"".join(parts)
+
+    async def _body(request: Request) -> dict[str, Any]:
+        return _parse_body(await _raw(request), gateway.max_body_bytes, invalid=422)
+
+    @app.exception_handler(GatewayError)
+    async def _refused(request: Request, exc: GatewayError) -> Response:
+        # OpenAI's error shape, so that an agent's OpenAI client shows the reason
+        return _json(openai_error(exc.status, exc.error, exc.details), exc.status)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        gateway.check_admin(request.headers)  # like every route but health
+        return _json(app.openapi())
+
+    @app.get("/v1/health")
+    async def health() -> Response:
+        return _json({"ok": True, "open_rollouts": len(gateway.rollouts), "upstreams": gateway.upstream_health()})
+
+    @app.post("/v1/rollouts")
+    async def open_rollout(request: Request) -> Response:
+        gateway.check_admin(request.headers)
+        body = await _body(request)
+        return _json(await asyncio.to_thread(gateway.open_rollout, body, str(request.base_url)))
+
+    @app.post("/v1/rollouts/{rollout_id}/rewards")
+    async def reward(rollout_id: str, request: Request) -> Response:
+        gateway.check_rollout_credentials(rollout_id, request.headers)
+        body = await _body(request)
+        return _json(await asyncio.to_thread(gateway.reward, rollout_id, body, request.headers))
+
+    @app.post("/v1/rollouts/{rollout_id}/finish")
+    async def finish(rollout_id: str, request: Request) -> Response:
+        gateway.check_rollout_credentials(rollout_id, request.headers)
+        body = await _body(request)
+        return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
+
+    async def _traces(request: Request, rollout_id: str | None) -> Response:
+        gateway.check_spans_sender(rollout_id, request.headers)  # before a byte of the body is read or inflated
+        body = await _raw(request)
+        kind = otlp.content_kind(request.headers.get("content-type"))
+        try:
+            spans = otlp.decode(body, kind, request.headers.get("content-encoding"), gateway.max_body_bytes)
+        except otlp.OTLPTooLarge as exc:
+            raise GatewayError(413, str(exc)) from None
+        except otlp.OTLPDecodeError as exc:
+            raise GatewayError(400, str(exc)) from None
+        problems = otlp.span_problems(spans)
+        if problems:
+            raise GatewayError(400, f"{len(problems)} span value(s) cannot be stored; nothing of this export was "
+                                    f"stored: {problems[0]}", problems)
+        taken = await asyncio.to_thread(gateway.take_spans, spans, rollout_id, request.headers)
+        return Response(otlp.encode_answer(taken["rejected"], taken["message"], kind),
+                        media_type="application/x-protobuf" if kind == "protobuf" else "application/json")
+
+    @app.post("/v1/traces")
+    async def traces(request: Request) -> Response:
+        return await _traces(request, None)
+
+    @app.post("/rollouts/{rollout_id}/v1/traces")
+    async def rollout_traces(rollout_id: str, request: Request) -> Response:
+        return await _traces(request, rollout_id)
+
+    return _CallFront(gateway, app)
+
+
+def _parse_body(raw: bytes, limit: int, invalid: int = 400) -> dict[str, Any]:
+    """A JSON object body; ``invalid``: the status for a value that cannot be recorded (the LLM routes
+    answer 400 as OpenAI's API does; the gateway's own routes 422)."""
+    if len(raw) > limit:
+        raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, "the request body is not valid JSON", [str(exc)]) from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    problem = json_problem(body, "body")
+    if problem:
+        raise GatewayError(invalid, f"the request body cannot be recorded: {problem}")
+    return body
+
+
+def _check_messages(messages: Any) -> None:
+    """Chat messages the assembly can read back, or 400 before anything is forwarded or recorded."""
+    problems = message_problems(messages)
+    if problems:
+        raise GatewayError(400, f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                           problems)
+
+
+# A call's path: under /v1 (rollout by key), a rollout's base URL, or an agent's.
+_CALL_PATH = re.compile(r"(?:/rollouts/(?P<rollout>[^/]+)(?:/agents/(?P<agent>[^/]+))?)?"
+                        r"/v1/(?P<endpoint>chat/completions|completions|messages|responses)")
+_JSON = (b"content-type", b"application/json")
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class _CallFront:
+    """The gateway's ASGI app: the LLM calls (the hot path, every call an agent makes) answered here
+    directly, everything else by the FastAPI app behind. Routing a call through FastAPI's middleware,
+    request objects and streaming response cost a sixth of the gateway's CPU per call
+    (docs/benchmarks.md section 12); these routes need none of it."""
+
+    def __init__(self, gateway: Gateway, app: Any) -> None:
+        self.gateway, self.app = gateway, app
+        self.dialects = DIALECTS  # the protocols answered through chat completions
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _CALL_PATH.fullmatch(scope["path"])
+            if match is not None:
+                await self._call(scope, receive, send, *match.group("rollout", "agent", "endpoint"))
+                return
+        await self.app(scope, receive, send)
+
+    async def _call(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any],
+                    rollout_id: str | None, agent: str | None, endpoint: str) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        dialect = self.dialects.get(endpoint)
+        try:
+            active = self.gateway.rollout_for(rollout_id, headers)  # credentials before the body is read
+            raw = await self._read(receive, headers)
+            if dialect is None:
+                result = await self._chat(headers, raw, active, agent, endpoint)
+            else:
+                result = await self._translated(headers, raw, active, agent, dialect)
+        except GatewayError as exc:
+            shape = dialect.error(exc.status, exc.error) if dialect else openai_error(exc.status, exc.error, exc.details)
+            result = exc.status, shape
+        except Exception as exc:  # a defect of ours: the agent gets a 500 that says so, the failure is logged
+            report_failure("gateway call", exc)
+            result = 500, openai_error(500, f"the gateway failed on this call: {type(exc).__name__}: {exc}")
+        if isinstance(result, Relay):
+            await self._stream(result, receive, send)
+            return
+        status, data = result
+        body = orjson.dumps(data)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [_JSON, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _read(self, receive: Callable[..., Any], headers: dict[str, str]) -> bytes:
+        limit = self.gateway.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise GatewayError(400, "the client hung up before sending its whole request")
+            piece = message.get("body", b"")
+            size += len(piece)
+            if size > limit:
+                raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
+            parts.append(piece)
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    async def _stream(self, relay: Relay, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        """Send a stream as it comes; a client that hangs up cuts the engine's answer (recorded as cut)."""
+        hung_up = False
+
+        async def listen() -> None:
+            nonlocal hung_up
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            hung_up = True
+            relay.abort()
+
+        listener = asyncio.ensure_future(listen())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            async for piece in relay:
+                if hung_up:
+                    break
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except UpstreamError:
+            if not hung_up:  # the engine broke off: the client's stream breaks off too
+                raise
+        finally:
+            listener.cancel()
+            await relay.aclose()
+
+    async def _chat(self, headers: dict[str, str], raw: bytes, active: OpenRollout, agent: str | None,
+                    path: str) -> Any:
+        body = _parse_body(raw, self.gateway.max_body_bytes)
+        if not isinstance(body.get("model"), str):
+            raise GatewayError(422, f"model must be the served model's name (a string), got {body.get('model')!r}")
+        if path == "chat/completions":
+            _check_messages(body.get("messages"))
+        return await self.gateway.forward(active, path, body, agent or headers.get(AGENT_HEADER))
+
+    async def _translated(self, headers: dict[str, str], raw: bytes, active: OpenRollout, agent: str | None,
+                          dialect: Dialect) -> Any:
+        """Anthropic Messages or OpenAI Responses, through chat completions; errors in the dialect's shape."""
+        body = _parse_body(raw, self.gateway.max_body_bytes)
+        if not isinstance(body.get("model"), str):
+            raise GatewayError(400, f"model must be the served model's name (a string), got {body.get('model')!r}")
+        try:
+            chat = dialect.to_chat(body)
+        except TranslationError as exc:
+            raise GatewayError(400, str(exc)) from None
+        _check_messages(chat.get("messages"))
+        chat["model"] = body["model"]
+        stream = bool(chat.get("stream"))
+        if stream:
+            chat["stream_options"] = {"include_usage": True}  # the usage the final events carry
+        result = await self.gateway.forward(active, "chat/completions", chat, agent or headers.get(AGENT_HEADER),
+                                            render=dialect.stream(body) if stream else None)
+        if isinstance(result, Relay):
+            return result
+        status, data = result
+        if status != 200:
+            detail = data.get("error", data) if isinstance(data, dict) else data
+            message = detail.get("message") if isinstance(detail, dict) else str(detail)
+            return status, dialect.error(status, f"the engine answered {status}: {message}")
+        return 200, dialect.from_chat(data, body)
+
+
+def check_bind(host: str, token: str | None) -> None:
+    from ..store.serving import is_loopback
+
+    if not token and not is_loopback(host):
+        raise ConfigurationError(f"binding the gateway to {host!r} exposes it beyond this machine; give it a "
+                                 "token (--token or LIGHTNING_RL_GATEWAY_TOKEN), or bind to 127.0.0.1")
+
+
+class BackgroundGateway:
+    """The gateway on a thread of this process (tests, notebooks). Port 0 picks a free port."""
+
+    def __init__(self, upstreams: list[str], *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 **options: Any) -> None:
+        from ..store.serving import ServerThread
+
+        check_bind(host, token)
+        self.gateway = Gateway(upstreams, token=token, **options)
+        self._thread = ServerThread(create_app(self.gateway), host=host, port=port, name="lightning-rl-gateway")
+        self.port, self.url = self._thread.port, self._thread.url
+
+    def __enter__(self) -> BackgroundGateway:
+        self._thread.start("the gateway")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.stop()
+
+
+def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_level: str = "warning") -> None:
+    """Run the gateway until interrupted (one process: its open rollouts live in memory)."""
+    import uvicorn
+
+    from ..store.serving import uvicorn_options
+
+    check_bind(host, gateway.token)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                **uvicorn_options())
+
+
+__all__ = ["AGENT_HEADER", "BackgroundGateway", "check_bind", "create_app", "serve"]
