@@ -5,11 +5,12 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 VERL_VENV := .venv-verl
+FRAMEWORKS_VENV := .venv-frameworks
 MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-peer node-deps browser screenshots model test test-fast test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-frameworks venv-peer node-deps browser screenshots model test test-fast test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
 all: venv venv-vllm model node-deps browser
 
@@ -30,6 +31,15 @@ $(VLLM_VENV)/.stamp: constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__)"
 	touch $@
 venv-vllm: $(VLLM_VENV)/.stamp
+
+# CrewAI and LlamaIndex in their own environment: both pin openai < 3 (the main one has 3.x). Their suite
+# (tests/adapters/test_pinned_frameworks_vllm.py) runs there against the real vLLM server.
+$(FRAMEWORKS_VENV)/.stamp: pyproject.toml constraints-frameworks.txt
+	$(PYTHON) -m venv $(FRAMEWORKS_VENV)
+	$(FRAMEWORKS_VENV)/bin/pip install $(PIP_FLAGS) -c constraints-frameworks.txt -e '.[server]' pytest \
+		pytest-asyncio crewai llama-index-core llama-index-llms-openai-like
+	touch $@
+venv-frameworks: $(FRAMEWORKS_VENV)/.stamp
 
 # verl in its own environment too: it pins transformers < 5.11 (the main one has LangChain's newer
 # transformers and vLLM has its own). Its suite (pytest -m verl) checks our batches and math
@@ -69,9 +79,10 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
-test: all venv-verl
+test: all venv-verl venv-frameworks
 	$(PY) -m pytest -q
 	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
+	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not slow"
@@ -79,7 +90,7 @@ test-fast: venv
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):
 # no test may depend on what one sampled model says. SEED=7 make test-other-seed
 SEED ?= 1
-test-other-seed: all venv-verl
+test-other-seed: all venv-verl venv-frameworks
 	MODEL_ARGS="$(MODEL_ARGS)" scripts/vllm_tests_other_seed.sh $(SEED)
 
 # The soak test for as long as docs/reliability.md quotes it (make test runs it for 120 s).
@@ -125,4 +136,4 @@ bench: all venv-peer
 	$(PY) bench/bench_judge.py --json-out .cache/bench-judge.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .venv-peer .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(FRAMEWORKS_VENV) .venv-peer .cache

@@ -65,8 +65,6 @@ class MissingDependencyError(LightningRLError, ImportError):
 #: The extra that installs each optional top-level module (pyproject.toml's optional dependencies;
 #: tests/test_packaging.py holds the two to each other).
 EXTRA_OF_MODULE = {
-    "fastapi": "server", "uvicorn": "server", "httptools": "server", "anyio": "server", "starlette": "server",
-    "google": "server",  # protobuf, through opentelemetry-proto (OTLP in)
     "torch": "local", "transformers": "local", "peft": "local", "safetensors": "local", "numpy": "local",
     "tqdm": "local", "matplotlib": "local",
     "verl": "verl", "ray": "verl", "cachetools": "verl",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the tiny model with another seed into a temporary directory and run every vLLM-marked test
-# against it (the main suite, then the verl agent-loop test in .venv-verl). A test that passes only
+# against it (the main suite, the verl agent-loop test in .venv-verl, CrewAI and LlamaIndex in
+# .venv-frameworks). A test that passes only
 # because of what one sampled model says fails here. Run it before resolving an issue that touches
 # vLLM tests.
 #
@@ -22,6 +23,9 @@ status=0
 .venv/bin/python -m pytest -q -m vllm "$@" || status=$?
 if [ -x .venv-verl/bin/python ]; then
   .venv-verl/bin/python -m pytest -q -m "vllm and verl" tests/trainer_bridge "$@" || status=$?
+fi
+if [ -x .venv-frameworks/bin/python ]; then  # CrewAI and LlamaIndex (they pin openai < 3)
+  .venv-frameworks/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py "$@" || status=$?
 fi
 echo "vLLM tests against the tiny model with seed $seed: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -40,7 +40,9 @@ PROVIDES = {
 }
 # modules the package imports only when their library is already loaded by the user's program
 # (the HTTP-layer hooks: adapters/http_clients.py), so no extra installs them
-USERS_OWN = {"requests", "aiohttp", "yarl", "httpx2", "langchain_core"}
+USERS_OWN = {"requests", "aiohttp", "yarl", "httpx2", "langchain_core",
+             # the agent frameworks instrumented on import (adapters/__init__.py's post-import hook)
+             "agents", "pydantic_ai", "smolagents", "crewai", "llama_index"}
 
 
 def _name(requirement: str) -> str:
@@ -110,8 +112,8 @@ def _venv(where: Path, wheel: Path, extras: str = "", first: tuple[str, ...] = (
     return venv / "bin"
 
 
-#: The environments, each fresh: the core alone, the server extra alone, and the other extras.
-INSTALLS = {"core": ("", ()), "server": ("[server]", ()), "rewards,data": ("[rewards,data]", ()),
+#: The environments, each fresh: the core alone (which runs the servers too), and the extras.
+INSTALLS = {"core": ("", ()), "rewards,data": ("[rewards,data]", ()),
             "local,trackers": ("[local,trackers]", ("torch==2.13.0",)), "langchain": ("[langchain]", ()),
             "autogen": ("[autogen]", ())}
 
@@ -140,11 +142,8 @@ def test_the_core_install_talks_to_a_store_server_and_says_which_extra_the_rest_
     probe = _run(bin_dir, "python", "-c", "import lightning_rl as lrl; s = lrl.open_store('http://127.0.0.1:1'); "
                                           "print(type(s).__name__); s.close()", cwd=tmp_path)
     assert probe.returncode == 0 and probe.stdout.strip() == "HttpStore", probe.stderr[-2000:]  # before: no httpx
-    for command, extra in ((("store", "serve", "--db", "x.db"), "server"),
-                           (("gateway", "--upstream", "http://127.0.0.1:9"), "server"),
-                           (("view", "--store", "x.db"), "server"),
-                           (("train", "--continuous", "--model-dir", "m", "--server-url", "http://127.0.0.1:1",
-                             "--store", "x.db"), "local")):
+    for command, extra in ((("train", "--continuous", "--model-dir", "m", "--server-url", "http://127.0.0.1:1",
+                             "--store", "x.db"), "local"),):
         out = _run(bin_dir, "lightning-rl", *command, cwd=tmp_path)
         assert out.returncode == 1 and "Traceback" not in out.stderr, (command, out.stderr[-2000:])
         assert f"pip install 'lightning-rl[{extra}]'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
@@ -164,8 +163,9 @@ def _up(url: str, proc: subprocess.Popen) -> bool:
     return False
 
 
-def test_the_server_extra_starts_the_store_server_the_gateway_and_the_viewer(tmp_path, venvs):
-    bin_dir = venvs["server"]
+def test_the_core_install_starts_the_store_server_the_gateway_and_the_viewer(tmp_path, venvs):
+    """Issue 32: the gateway starts from a plain install (before: `pip install 'lightning-rl[server]'`)."""
+    bin_dir = venvs["core"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LIGHTNING_RL_STORE")}
     ports = [_free_port() for _ in range(3)]
     commands = [

@@ -25,6 +25,8 @@ _FRAMEWORKS = {
     "agents": "lightning_rl.adapters.openai_agents:instrument",  # the OpenAI Agents SDK (openai-agents)
     "pydantic_ai": "lightning_rl.adapters.pydanticai:instrument",
     "smolagents": "lightning_rl.adapters.smolagents:instrument",
+    "crewai": "lightning_rl.adapters.crewai:instrument",
+    "llama_index.core": "lightning_rl.adapters.llamaindex:instrument",  # llama_index is a namespace package
     # HTTP clients: LLM calls that bypass the instrumented OpenAI client are seen there (http_clients.py)
     "httpx": "lightning_rl.adapters.http_clients:instrument_httpx",
     "httpx2": "lightning_rl.adapters.http_clients:instrument_httpx2",

@@ -383,7 +383,8 @@ class CapturedCall:
             self.state.llm_call_finished(self.index, self.agent)
             if first.tool_calls:  # a framework's tool hook without call ids finds them here
                 self.state.note_tool_calls([(c["function"]["name"], c["function"]["arguments"], c["id"])
-                                            for c in (first.tool_calls[i] for i in sorted(first.tool_calls)) if c["id"]])
+                                            for c in (first.tool_calls[i] for i in sorted(first.tool_calls)) if c["id"]],
+                                           self.agent)
             for i in indices[1:]:  # n > 1: every further choice is an LLM call (and a sample) of its own
                 self._extra_choice_span(common, self.choices[i], i)
         except Exception as exc:

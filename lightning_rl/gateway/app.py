@@ -28,7 +28,7 @@ try:
     from fastapi.responses import Response
 except ImportError as exc:  # the gateway is an extra, like the store server
     raise ConfigurationError(
-        f"the gateway needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
+        f"the gateway needs FastAPI and uvicorn ({exc}); they come with lightning-rl: pip install fastapi uvicorn httptools (or reinstall lightning-rl)"
     ) from None
 
 AGENT_HEADER = "x-lightning-rl-agent"

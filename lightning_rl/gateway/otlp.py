@@ -25,7 +25,7 @@ try:
                                                                           ExportTraceServiceResponse)
 except ImportError as exc:
     raise ConfigurationError(f"OTLP in needs the opentelemetry-proto package ({exc}); install it with: "
-                             "pip install 'lightning-rl[server]'") from None
+                             "pip install opentelemetry-proto (it comes with lightning-rl; or reinstall it)") from None
 
 _KINDS = {0: "INTERNAL", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}

@@ -34,7 +34,7 @@ try:
     from fastapi.responses import Response
 except ImportError as exc:  # the server is an extra; clients need only the core
     raise ConfigurationError(
-        f"the store server needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
+        f"the store server needs FastAPI and uvicorn ({exc}); they come with lightning-rl: pip install fastapi uvicorn httptools (or reinstall lightning-rl)"
     ) from None
 from ..boundaries import INT64_MAX
 from ..diagnostics import counters

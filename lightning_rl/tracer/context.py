@@ -34,32 +34,34 @@ class RolloutState:
     oldest_call_version: int | None = None  # the rollout's version when it ends
     sampling: dict[str, Any] | None = None  # imposed on every LLM request (rollout_overrides(sampling=))
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # (name, arguments, id) of the tool calls the model asked for and no tool span has claimed yet: a
-    # framework whose tool hook has no call id gets it from here (claim_tool_call)
-    tool_calls_asked: list[tuple[str, str, str]] = field(default_factory=list)
+    # (name, arguments, id, agent) of the tool calls the model asked for and no tool span has claimed yet:
+    # a framework whose tool hook has no call id gets it, and the agent that asked, from here (claim_tool_call)
+    tool_calls_asked: list[tuple[str, str, str, str | None]] = field(default_factory=list)
 
     def next_llm_call(self) -> int:
         self.llm_calls += 1
         return next(self.llm_call_counter)
 
-    def note_tool_calls(self, calls: list[tuple[str, str, str]]) -> None:
-        """The tool calls (name, arguments, id) an LLM call of this rollout answered with."""
+    def note_tool_calls(self, calls: list[tuple[str, str, str]], agent: str | None = None) -> None:
+        """The tool calls (name, arguments, id) an LLM call of this rollout, made by ``agent``, answered with."""
         with self.lock:
-            self.tool_calls_asked.extend(calls)
+            self.tool_calls_asked.extend((name, arguments, call_id, agent) for name, arguments, call_id in calls)
             del self.tool_calls_asked[:-64]  # the recent ones are the ones a tool runs for
 
-    def claim_tool_call(self, name: str, arguments: Any = None) -> str | None:
+    def claim_tool_call(self, name: str, arguments: Any = None) -> tuple[str, str | None] | None:
         """The id of the oldest unclaimed tool call of ``name`` (with these arguments, when they match one),
-        for a tool span whose framework does not say it; None if the model asked for none."""
+        and the agent whose LLM call asked for it, for a tool span whose framework does not say them; None
+        if the model asked for none."""
         with self.lock:
-            candidates = [i for i, (n, _, _) in enumerate(self.tool_calls_asked) if n == name]
+            candidates = [i for i, asked in enumerate(self.tool_calls_asked) if asked[0] == name]
             if not candidates:
                 return None
             chosen = candidates[0]
             if isinstance(arguments, str):
                 wanted = _normal_arguments(arguments)
                 chosen = next((i for i in candidates if _normal_arguments(self.tool_calls_asked[i][1]) == wanted), chosen)
-            return self.tool_calls_asked.pop(chosen)[2]
+            _, _, call_id, agent = self.tool_calls_asked.pop(chosen)
+            return call_id, agent
 
     def note_end(self) -> None:
         """A rollout that ends without any LLM call recorded trains nothing: counted, and said once."""

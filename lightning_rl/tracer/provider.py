@@ -343,10 +343,13 @@ def record_tool_span(name: str, call_id: str | None, arguments: Any, handle: Any
 
 def _tool_attributes(name: str, call_id: str | None, arguments: Any, agent: str | None) -> dict[str, Any]:
     """A tool span's attributes. Without a call id, the id of the model's matching tool call (from this
-    rollout's LLM answers), so a framework whose tool hook does not carry it still links call and result."""
+    rollout's LLM answers), so a framework whose tool hook does not carry it still links call and result,
+    and the agent whose LLM call asked for it (a framework may run its tools outside the agent's step)."""
     state = _rollout.get()
     if not call_id and state is not None:
-        call_id = state.claim_tool_call(name, arguments)
+        claimed = state.claim_tool_call(name, arguments)
+        if claimed is not None:  # the tool runs for the agent whose model asked for it
+            call_id, agent = claimed[0], claimed[1] or agent
     attrs: dict[str, Any] = {semconv.GEN_AI_OPERATION_NAME: semconv.OP_EXECUTE_TOOL, semconv.GEN_AI_TOOL_NAME: name}
     if call_id:
         attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id

@@ -46,7 +46,7 @@ try:
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 except ImportError as exc:  # like the store server and the gateway
     raise ConfigurationError(
-        f"the viewer needs FastAPI and uvicorn ({exc}); install them with: pip install 'lightning-rl[server]'"
+        f"the viewer needs FastAPI and uvicorn ({exc}); they come with lightning-rl: pip install fastapi uvicorn httptools (or reinstall lightning-rl)"
     ) from None
 
 COOKIE = "lrl_view_token"
