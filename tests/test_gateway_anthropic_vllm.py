@@ -60,7 +60,7 @@ def test_messages_streamed_and_not_are_recorded_with_the_engines_ids(traced, vll
 
 def test_tool_use_and_tool_results_round_trip(traced, rollout):
     gw, opened, client = rollout
-    forced = dict(model=SERVED_NAME, max_tokens=80, extra_body=GREEDY, tools=[CALCULATOR],
+    forced = dict(model=SERVED_NAME, max_tokens=200, extra_body=GREEDY, tools=[CALCULATOR],
                   tool_choice={"type": "tool", "name": "calculator"})  # guided decoding: a call, whatever the model
     first = client.messages.create(messages=QUESTION, **forced)
     (use,) = [b for b in first.content if b.type == "tool_use"]

@@ -71,7 +71,7 @@ async def test_openai_agents_sdk_calls_names_and_tools(traced, agents_sdk, api):
     agents, client, calculator = agents_sdk
     model = SERVED_NAME if api.startswith("responses") else agents.OpenAIChatCompletionsModel(
         model=SERVED_NAME, openai_client=client)
-    settings = agents.ModelSettings(tool_choice="calculator", temperature=0, max_tokens=80)
+    settings = agents.ModelSettings(tool_choice="calculator", temperature=0, max_tokens=200)
     tutor = agents.Agent(name="math tutor", instructions="Use the calculator.", model=model, tools=[calculator],
                          model_settings=settings)
 
@@ -93,10 +93,10 @@ async def test_openai_agents_sdk_calls_names_and_tools(traced, agents_sdk, api):
 async def test_openai_agents_sdk_handoff_names_each_agent(traced, agents_sdk):
     agents, client, calculator = agents_sdk
     tutor = agents.Agent(name="math tutor", instructions="Use the calculator.", model=SERVED_NAME, tools=[calculator],
-                         model_settings=agents.ModelSettings(tool_choice="calculator", temperature=0, max_tokens=80))
+                         model_settings=agents.ModelSettings(tool_choice="calculator", temperature=0, max_tokens=200))
     triage = agents.Agent(name="triage", instructions="Hand arithmetic to the math tutor.", model=SERVED_NAME,
                           handoffs=[tutor], model_settings=agents.ModelSettings(
-                              tool_choice="transfer_to_math_tutor", temperature=0, max_tokens=100))
+                              tool_choice="transfer_to_math_tutor", temperature=0, max_tokens=200))
 
     @lrl.trace
     async def solve(question):
@@ -128,7 +128,7 @@ async def test_pydantic_ai_calls_names_and_tools(traced, vllm_url, streamed):
     model = OpenAIChatModel(SERVED_NAME, provider=OpenAIProvider(base_url=vllm_url, api_key="EMPTY"))
     force = {"tool_choice": {"type": "function", "function": {"name": "calculator"}}}
     agent = pydantic_ai.Agent(model, name="calc agent", instructions="Use the calculator.",
-                              model_settings=pydantic_ai.ModelSettings(temperature=0, max_tokens=80, extra_body=force))
+                              model_settings=pydantic_ai.ModelSettings(temperature=0, max_tokens=200, extra_body=force))
 
     @agent.tool_plain
     def calculator(expression: Annotated[str, Field(pattern=PATTERN)]) -> str:
@@ -212,7 +212,7 @@ def _smolagents_model(smolagents, vllm_url, tool: str, argument: str):
                                                "parameters": schema}}]
     force = {"type": "function", "function": {"name": tool}}
     return smolagents.OpenAIServerModel(model_id=SERVED_NAME, api_base=vllm_url, api_key="EMPTY", tools=tools,
-                                        tool_choice=force, temperature=0, max_tokens=80)
+                                        tool_choice=force, temperature=0, max_tokens=200)
 
 
 @pytest.mark.parametrize("stream", [False, True])

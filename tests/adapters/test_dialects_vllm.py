@@ -49,7 +49,7 @@ def test_the_responses_api_in_process_is_recorded_with_the_engines_ids(traced, v
                                      max_output_tokens=12) as stream:
             events = list(stream)
         forced = client.responses.create(model=SERVED_NAME, input=QUESTION, tools=[RESPONSES_TOOL], temperature=0,
-                                         tool_choice={"type": "function", "name": "calculator"}, max_output_tokens=80)
+                                         tool_choice={"type": "function", "name": "calculator"}, max_output_tokens=200)
         seen.update(plain=plain, events=events, forced=forced)
         return 1.0
 
@@ -89,7 +89,7 @@ def test_anthropic_messages_in_process_are_recorded_with_the_engines_ids(traced,
         with client.messages.stream(model=SERVED_NAME, max_tokens=12, system=SYSTEM, extra_body={"temperature": 0},
                                     messages=[{"role": "user", "content": QUESTION}]) as stream:
             streamed = "".join(stream.text_stream)
-        used = client.messages.create(model=SERVED_NAME, max_tokens=80, extra_body={"temperature": 0},
+        used = client.messages.create(model=SERVED_NAME, max_tokens=200, extra_body={"temperature": 0},
                                       tools=[ANTHROPIC_TOOL], tool_choice={"type": "tool", "name": "calculator"},
                                       messages=[{"role": "user", "content": QUESTION}])
         seen.update(message=message, streamed=streamed, used=used)
