@@ -126,8 +126,8 @@ def _packed_tokens(db: sqlite_utils.Database) -> None:
         for rowid, seq, attributes in rows:
             rest, packed = lift_token_attributes(orjson.loads(attributes))
             if packed is not None:
-                shared = sharer.share((rollout_id, seq, *([None] * 11), *token_values(packed)))
-                updates.append((orjson.dumps(rest).decode(), *shared[13:], rowid))
+                shared = sharer.share((rollout_id, seq, *([None] * 11), *token_values(packed), None, None, None, None))
+                updates.append((orjson.dumps(rest).decode(), *shared[13:18], rowid))
         conn.executemany("UPDATE spans SET attributes = ?, prompt_base_seq = ?, prompt_shared = ?, prompt_ids = ?, "
                          "response_ids = ?, response_logprobs = ? WHERE rowid = ?", updates)
         sharer.forget(rollout_id)
@@ -234,3 +234,36 @@ def _quarantine(db: sqlite_utils.Database) -> None:
     )
     # A batch retried after a lock can meet the same bad record again: it is kept once.
     db["quarantine"].create_index(["digest"], index_name="quarantine_digest", unique=True)
+
+
+@migration(10, "message text beside span attributes, prefix-shared like token ids")
+def _shared_messages(db: sqlite_utils.Database) -> None:
+    from .rows import lift_messages
+    from .tokens import PrefixSharer
+
+    spans = db["spans"]
+    for name, kind in (("input_base_seq", int), ("input_shared", int), ("input_messages", str),
+                       ("output_messages", str)):
+        if name not in spans.columns_dict:
+            spans.add_column(name, kind)
+    conn = db.conn
+    sharer = PrefixSharer()
+    markers = ('"gen_ai.input.messages"', '"gen_ai.output.messages"')
+    where = "(instr(attributes, ?) > 0 OR instr(attributes, ?) > 0)"
+    rollout_ids = [r[0] for r in conn.execute(f"SELECT DISTINCT rollout_id FROM spans WHERE {where}", markers)]
+    for rollout_id in rollout_ids:  # one rollout at a time: memory stays bounded by the largest rollout
+        rows = conn.execute(f"SELECT rowid, seq, attributes FROM spans WHERE rollout_id = ? AND {where} ORDER BY seq",
+                            (rollout_id, *markers)).fetchall()
+        updates = []
+        for rowid, seq, attributes in rows:
+            try:
+                rest, text = lift_messages(orjson.loads(attributes))
+            except orjson.JSONDecodeError:  # kept as it was; readers skip and count it
+                continue
+            if text[2] is None and text[3] is None:
+                continue
+            shared = sharer.share((rollout_id, seq, *([None] * 16), *text))
+            updates.append((orjson.dumps(rest).decode(), *shared[18:], rowid))
+        conn.executemany("UPDATE spans SET attributes = ?, input_base_seq = ?, input_shared = ?, input_messages = ?, "
+                         "output_messages = ? WHERE rowid = ?", updates)
+        sharer.forget(rollout_id)

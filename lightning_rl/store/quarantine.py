@@ -20,7 +20,8 @@ from ..records import QuarantinedRecord, Reward, Rollout, SpanRow
 from .rows import REWARD_COLUMNS, ROLLOUT_COLUMNS, SPAN_COLUMNS, spill_line
 
 # Integer columns of each record, by name and position in its row.
-_SPAN_INTS = {name: SPAN_COLUMNS.index(name) for name in ("seq", "start_ns", "end_ns", "prompt_base_seq", "prompt_shared")}
+_SPAN_INTS = {name: SPAN_COLUMNS.index(name) for name in ("seq", "start_ns", "end_ns", "prompt_base_seq", "prompt_shared",
+                                                    "input_base_seq", "input_shared")}
 _ROLLOUT_INTS = {name: ROLLOUT_COLUMNS.index(name) for name in ("attempt", "policy_version")}
 _REWARD_INTS = {"llm_call_index": REWARD_COLUMNS.index("llm_call_index")}
 

@@ -22,14 +22,16 @@ from ..records import (
     unpack_ids,
     unpack_logprobs,
 )
-from .tokens import TOKEN_COLUMNS, PromptResolver
+from .tokens import TEXT_COLUMNS, TOKEN_COLUMNS, PromptResolver
 
 OTEL_COLUMNS = (
     "rollout_id", "seq", "trace_id", "span_id", "parent_id", "name", "kind", "start_ns", "end_ns",
     "status_code", "status_message", "attributes", "events",
 )
-SPAN_COLUMNS = OTEL_COLUMNS + TOKEN_COLUMNS
+SPAN_COLUMNS = OTEL_COLUMNS + TOKEN_COLUMNS + TEXT_COLUMNS
 _NO_TOKENS = (None, None, None, None, None)
+_NO_TEXT = (None, None, None, None)
+_INPUT, _OUTPUT = semconv.GEN_AI_INPUT_MESSAGES, semconv.GEN_AI_OUTPUT_MESSAGES
 #: Token arrays as span attributes: how lightning-rl before 0.2 (schema 4) recorded them, and what older
 #: clients of the store server still send. They are lifted out of the attributes into packed columns.
 LEGACY_TOKEN_ATTRIBUTES = (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS)
@@ -63,6 +65,36 @@ def token_values(tokens: PackedTokens | None) -> tuple:
     return (None, 0, tokens.prompt, tokens.response, tokens.logprobs)
 
 
+def lift_messages(attributes: Any) -> tuple[Any, tuple]:
+    """Attributes without the input/output messages' JSON text, and the text columns of the row that
+    hold them instead (stored once, not escaped inside the attributes' JSON, prefix-shared by the
+    writer). A value that is not text stays where it was."""
+    inp, out = attributes.get(_INPUT), attributes.get(_OUTPUT)
+    if type(inp) is not str:
+        inp = None
+    if type(out) is not str:
+        out = None
+    if inp is None and out is None:
+        return attributes, _NO_TEXT
+    rest = dict(attributes)
+    if inp is not None:
+        del rest[_INPUT]
+    if out is not None:
+        del rest[_OUTPUT]
+    return rest, (None, None, inp, out)
+
+
+def with_messages(attributes_json: str, input_messages: str | None, output_messages: str | None) -> str:
+    """The attributes' JSON text with the messages put back as the string attributes they were (the
+    HTTP wire sends whole attributes), without parsing it again."""
+    extra = b"".join(orjson.dumps(key) + b":" + orjson.dumps(value) + b","
+                     for key, value in ((_INPUT, input_messages), (_OUTPUT, output_messages)) if value is not None)
+    if not extra:
+        return attributes_json
+    body = attributes_json[1:-1]
+    return "{" + extra.decode() + body + "}" if body else "{" + extra[:-1].decode() + "}"
+
+
 def lift_token_attributes(attributes: dict[str, Any]) -> tuple[dict[str, Any], PackedTokens | None]:
     """Attributes without the legacy token-array keys, and those arrays packed (None if absent)."""
     if not any(k in attributes for k in LEGACY_TOKEN_ATTRIBUTES):
@@ -84,6 +116,7 @@ def span_values(row: SpanRow) -> tuple:
     attrs = row.attributes
     # BoundedAttributes keeps a plain dict in ``_dict``; serializing it directly skips a copy per span.
     plain = getattr(attrs, "_dict", None)
+    attrs, text = lift_messages(plain if plain is not None else attrs or {})
     return (
         row.rollout_id,
         row.seq,
@@ -96,9 +129,10 @@ def span_values(row: SpanRow) -> tuple:
         row.end_ns,
         row.status_code,
         row.status_message,
-        _dumps(plain if plain is not None else dict(attrs or {})),
+        _dumps(attrs if type(attrs) is dict else dict(attrs)),
         _events(row.events),
         *token_values(row.tokens),
+        *text,
     )
 
 
@@ -106,6 +140,7 @@ def span_record_values(span: Span) -> tuple:
     """A :class:`Span` record (ingested, or a validated wire span) as a ``spans`` row: its tokens as
     lists (``SpanTokens``) or already packed (the wire's), or token arrays given as legacy attributes."""
     attributes, packed = lift_token_attributes(span.attributes)
+    attributes, text = lift_messages(attributes)
     t = span.tokens
     if t is None:
         pass
@@ -116,16 +151,20 @@ def span_record_values(span: Span) -> tuple:
     return (
         span.rollout_id, span.seq, span.trace_id, span.span_id, span.parent_id, span.name, span.kind,
         span.start_ns, span.end_ns, span.status_code, span.status_message, _dumps(attributes),
-        _dumps(span.events) if span.events else None, *token_values(packed),
+        _dumps(span.events) if span.events else None, *token_values(packed), *text,
     )
 
 
 def legacy_span_values(values: tuple | list) -> tuple:
-    """A 13-column row of schema 4 (a spill file written before packed tokens) as a row of today's."""
+    """A row of an older schema (a spill file written before packed tokens: 13 columns; before the text
+    columns: 18) as a row of today's. Their messages stay in the attributes, where readers find them."""
     if len(values) == len(SPAN_COLUMNS):
         return tuple(values)
+    if len(values) == len(OTEL_COLUMNS) + len(TOKEN_COLUMNS):
+        return (*values, *_NO_TEXT)
     attributes, packed = lift_token_attributes(orjson.loads(values[11]))
-    return (*values[:11], _dumps(attributes) if packed is not None else values[11], values[12], *token_values(packed))
+    return (*values[:11], _dumps(attributes) if packed is not None else values[11], values[12], *token_values(packed),
+            *_NO_TEXT)
 
 
 _BLOBS = slice(15, 18)
@@ -184,7 +223,7 @@ def span_from_values(values: tuple | list, resolver: PromptResolver | None = Non
     """A stored row as a :class:`Span`. Rows are this store's own (its schema is migrated on open):
     they are built, not validated again. Rows of one rollout go through one ``resolver``, in seq order."""
     (rollout_id, seq, trace_id, span_id, parent_id, name, kind, start_ns, end_ns, status_code, status_message,
-     attributes, events, base, shared, prompt, response, logprobs) = values
+     attributes, events, base, shared, prompt, response, logprobs, in_base, in_shared, inp, out) = values
     tokens = None
     if prompt is not None:
         if base is not None or resolver is not None:
@@ -193,10 +232,18 @@ def span_from_values(values: tuple | list, resolver: PromptResolver | None = Non
             tokens = SpanTokens.model_construct(
                 prompt_ids=unpack_ids(prompt), response_ids=unpack_ids(response),
                 response_logprobs=unpack_logprobs(logprobs) if logprobs is not None else None)
+    attributes = orjson.loads(attributes)
+    if inp is not None:
+        if in_base is not None or resolver is not None:
+            inp = (resolver or PromptResolver()).resolve_text(seq, in_base, in_shared or 0, inp, out)
+        if inp is not None:
+            attributes[_INPUT] = inp
+    if out is not None:
+        attributes[_OUTPUT] = out
     return Span.model_construct(
         schema_version=SCHEMA_VERSION, rollout_id=rollout_id, seq=seq, trace_id=trace_id, span_id=span_id, parent_id=parent_id,
         name=name, kind=kind, start_ns=start_ns, end_ns=end_ns, status_code=status_code,
-        status_message=status_message, attributes=orjson.loads(attributes),
+        status_message=status_message, attributes=attributes,
         events=orjson.loads(events) if events else [], tokens=tokens)
 
 

@@ -64,7 +64,7 @@ _INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES 
 _INSERT_ROLLOUT = f"INSERT OR IGNORE INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) VALUES ({', '.join('?' * len(ROLLOUT_COLUMNS))})"
 _INSERT_REWARD = f"INSERT OR IGNORE INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
 
-# Rows per multi-row INSERT: 18 columns x 16 rows stays far below SQLite's bound-parameter limit.
+# Rows per multi-row INSERT: 22 columns x 16 rows stays far below SQLite's bound-parameter limit.
 _CHUNK = 16
 _INSERT_SPANS_CHUNK = _INSERT_SPAN.split(" VALUES ")[0] + " VALUES " + ", ".join(
     ["(" + ", ".join("?" * len(SPAN_COLUMNS)) + ")"] * _CHUNK

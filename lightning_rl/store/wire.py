@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from .. import semconv as sc
 from ..boundaries import NonNegativeInt64, attribute_problems, json_problem
 from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span, SpanRow
-from .rows import OTEL_COLUMNS, span_record_values, span_values
+from .rows import OTEL_COLUMNS, span_record_values, span_values, with_messages
 
 API_PREFIX = "/v1"
 #: Ops per request the client sends, and the most the server accepts.
@@ -368,7 +368,7 @@ def encode_span(row: SpanRow) -> bytes:
     as is (``orjson.Fragment``), not parsed and dumped again; token arrays go as base64 of their bytes."""
     values = span_values(row)
     span = dict(zip(OTEL_COLUMNS, values))
-    span["attributes"] = orjson.Fragment(span["attributes"])
+    span["attributes"] = orjson.Fragment(with_messages(span["attributes"], values[-2], values[-1]))
     span["events"] = orjson.Fragment(span["events"]) if span["events"] else []
     tokens = row.tokens
     if tokens is not None:

@@ -33,3 +33,27 @@ def llm_span(rollout_id: str, seq: int, index: int, prompt: list[int], response:
 
 def rollout(rollout_id: str, **kw) -> Rollout:
     return Rollout(rollout_id=rollout_id, name="agent", agent="agent", task={"q": rollout_id}, **kw)
+
+
+def old_schema_store(path, version: int, attributes: list[dict]) -> None:
+    """A store as an older lightning-rl wrote it (schema ``version``): rollout ``old`` of one LLM span per
+    entry of ``attributes``, stored whole in the attributes' JSON (before packed tokens and shared text)."""
+    import sqlite3
+
+    import sqlite_utils
+
+    from lightning_rl.store import migrations
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    db = sqlite_utils.Database(conn)
+    for v in range(1, version + 1):
+        migrations._MIGRATIONS[v][1](db)
+    conn.execute(f"PRAGMA application_id = {migrations.APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "
+                 "VALUES ('old', 'agent', 0, 'train', 'succeeded', 1.0)")
+    for seq, attrs in enumerate(attributes):
+        conn.execute("INSERT INTO spans (rollout_id, seq, trace_id, span_id, name, kind, start_ns, end_ns, status_code, "
+                     "attributes) VALUES ('old', ?, ?, ?, 'chat tiny', 'CLIENT', 1, 2, 'OK', ?)",
+                     (seq, "%032x" % 1, "%016x" % (seq + 1), orjson.dumps(attrs).decode()))
+    conn.close()

@@ -20,7 +20,6 @@ from lightning_rl import semconv
 from lightning_rl.adapters.capture import CapturedCall, Server
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import PackedTokens, SpanRow, pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
-from lightning_rl.store import migrations
 from lightning_rl.store.rows import span_values, spill_row
 from lightning_rl.store.samples import trajectory_samples
 from lightning_rl.store.server import BackgroundServer
@@ -28,7 +27,7 @@ from lightning_rl.store.sqlite_store import SQLiteStore
 from lightning_rl.store.tokens import MIN_SHARED_TOKENS
 from lightning_rl.tracer import current_rollout
 
-from .helpers import llm_span, rollout
+from .helpers import llm_span, old_schema_store, rollout
 
 
 def test_packing_keeps_every_value_exactly():
@@ -129,23 +128,6 @@ def test_a_reference_to_a_missing_span_reads_as_missing_tokens_not_wrong_ones(tm
     assert counters()["llm_calls_with_unresolved_prompt"] == before + 1
 
 
-def _schema_4_store(path, spans: list[dict]) -> None:
-    """A store as lightning-rl 0.1 wrote it: token arrays as JSON attributes, schema 4."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    db = sqlite_utils.Database(conn)
-    for version in range(1, 5):
-        migrations._MIGRATIONS[version][1](db)
-    conn.execute(f"PRAGMA application_id = {migrations.APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 4")
-    conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "
-                 "VALUES ('old', 'agent', 0, 'train', 'succeeded', 1.0)")
-    for seq, attrs in enumerate(spans):
-        conn.execute("INSERT INTO spans (rollout_id, seq, trace_id, span_id, name, kind, start_ns, end_ns, status_code, "
-                     "attributes) VALUES ('old', ?, ?, ?, 'chat tiny', 'CLIENT', 1, 2, 'OK', ?)",
-                     (seq, "%032x" % 1, "%016x" % (seq + 1), orjson.dumps(attrs).decode()))
-    conn.close()
-
-
 def test_a_schema_4_store_is_migrated_to_packed_prefix_shared_tokens(tmp_path):
     turns = _turns(5, random.Random(2))
     legacy = [{semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: i, semconv.TOKEN_IDS_SOURCE: "engine",
@@ -154,7 +136,7 @@ def test_a_schema_4_store_is_migrated_to_packed_prefix_shared_tokens(tmp_path):
     legacy.append({semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: 5, semconv.TOKEN_IDS_SOURCE: "engine",
                    semconv.PROMPT_TOKEN_IDS: [2**40], semconv.RESPONSE_TOKEN_IDS: [1]})  # cannot pack: kept as is
     path = tmp_path / "old.db"
-    _schema_4_store(path, legacy)
+    old_schema_store(path, 4, legacy)
     with SQLiteStore(path) as store:
         calls = store.trajectory("old").llm_calls
         assert [c.prompt_token_ids for c in calls[:5]] == [p for p, _, _ in turns]

@@ -1,0 +1,220 @@
+"""Message text stored once per rollout (issue 33): each call's input messages as a reference to an
+earlier call's conversation plus what it added, read back as the very JSON text the tracer recorded,
+through every reader (spans, trajectories, the chat export, the store server), from old stores too."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import time
+
+import httpx
+import openai
+import orjson
+
+import lightning_rl as lrl
+from lightning_rl import semconv
+from lightning_rl.diagnostics import counters
+from lightning_rl.records import Span
+from lightning_rl.store.export import chat_examples
+from lightning_rl.store.rows import spill_row
+from lightning_rl.store.server import BackgroundServer
+from lightning_rl.store.sqlite_store import SQLiteStore
+
+from .helpers import old_schema_store, rollout
+
+_IN, _OUT = semconv.GEN_AI_INPUT_MESSAGES, semconv.GEN_AI_OUTPUT_MESSAGES
+_WORDS = ["alpha", "bravo", "delta", "kilo", "lima", "oscar", "tango", "victor", "zulu", "ünïcode", "引号\"q\""]
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _conversation(turns: int, rng: random.Random, agent: str = "") -> list[tuple[list[dict], dict]]:
+    """(input messages, answer) per turn of an agent loop: each input is the previous input + answer + a tool result."""
+    messages, calls = [{"role": "system", "content": f"{agent} " + _text(rng, 60)}, {"role": "user", "content": _text(rng, 30)}], []
+    for turn in range(turns):
+        answer = {"role": "assistant", "content": _text(rng, 20),
+                  "tool_calls": [{"id": f"c{turn}", "type": "function", "function": {"name": "look", "arguments": "{}"}}]}
+        calls.append((list(messages), answer))
+        messages = messages + [answer, {"role": "tool", "tool_call_id": f"c{turn}", "content": _text(rng, 80)}]
+    return calls
+
+
+def _span(rollout_id: str, seq: int, messages: list[dict], answer: dict, agent: str | None = None) -> Span:
+    attrs = {semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: seq, _IN: orjson.dumps(messages).decode(),
+             _OUT: orjson.dumps([answer]).decode()}
+    if agent:
+        attrs[semconv.GEN_AI_AGENT_NAME] = agent
+    return Span(rollout_id=rollout_id, seq=seq, trace_id="%032x" % 1, span_id="%016x" % (seq + 1), name="chat tiny",
+                kind="CLIENT", start_ns=seq, end_ns=seq + 1, attributes=attrs)
+
+
+def _interleaved(rollout_id: str, turns: int = 8) -> list[Span]:
+    """Two agents of one rollout whose calls alternate, each with its own growing history."""
+    rng = random.Random(7)
+    solver, checker = _conversation(turns, rng, "solver"), _conversation(turns, rng, "checker")
+    spans = []
+    for i, ((sm, sa), (cm, ca)) in enumerate(zip(solver, checker)):
+        spans += [_span(rollout_id, 2 * i, sm, sa, "solver"), _span(rollout_id, 2 * i + 1, cm, ca, "checker")]
+    return spans
+
+
+def _stored_text(path) -> tuple[int, int]:
+    """(characters of input messages stored, rows that refer to an earlier one)."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT coalesce(sum(length(input_messages)), 0), count(input_base_seq) FROM spans").fetchone()
+    finally:
+        conn.close()
+
+
+def test_a_growing_conversation_is_stored_once_and_read_back_exactly(tmp_path):
+    spans = _interleaved("r1")
+    path = tmp_path / "runs.db"
+    with SQLiteStore(path) as store:
+        store.start_rollout(rollout("r1"))
+        store.add_spans(spans)
+        store.finish_rollout("r1", "succeeded", 1.0, None)
+        store.flush()
+        read = store.spans("r1")
+        calls = store.trajectory("r1").llm_calls
+    assert [s.attributes for s in read] == [s.attributes for s in spans]  # the very strings, every key
+    assert [c.input_messages for c in calls] == [orjson.loads(s.attributes[_IN]) for s in spans]
+    whole = sum(len(s.attributes[_IN]) for s in spans)
+    last_two = len(spans[-1].attributes[_IN]) + len(spans[-2].attributes[_IN])
+    stored, referring = _stored_text(path)
+    assert referring == len(spans) - 2  # every call after each agent's first refers to its previous one
+    assert stored < 0.2 * whole and stored < last_two  # linear: about one copy of each agent's history
+    raw = sqlite3.connect(path).execute("SELECT attributes FROM spans").fetchall()
+    assert not any(_IN in a or _OUT in a for (a,) in raw)  # not escaped a second time inside the attributes
+
+
+def test_a_resent_history_that_differs_shares_only_what_is_the_same(tmp_path):
+    rng = random.Random(3)
+    (m0, a0), (m1, _) = _conversation(2, rng)
+    changed = [dict(m1[0], content=m1[0]["content"][:40] + " edited")] + m1[1:]  # the system prompt rewritten
+    short = [{"role": "user", "content": "x"}]
+    spans = [_span("r1", 0, m0, a0), _span("r1", 1, changed, a0), _span("r1", 2, short, a0)]
+    with SQLiteStore(tmp_path / "runs.db") as store:
+        store.start_rollout(rollout("r1"))
+        store.add_spans(spans)
+        store.flush()
+        assert [s.attributes for s in store.spans("r1")] == [s.attributes for s in spans]
+        rows = store._read("SELECT input_base_seq, input_shared FROM spans ORDER BY seq")
+    assert rows[0] == (None, None) and rows[2] == (None, None)
+    assert rows[1][0] == 0 and 64 <= rows[1][1] < len(spans[1].attributes[_IN])
+
+
+def test_a_reference_to_a_missing_span_reads_without_messages_and_is_counted(tmp_path):
+    spans = [_span("r1", i, m, a) for i, (m, a) in enumerate(_conversation(3, random.Random(1)))]
+    path = tmp_path / "runs.db"
+    with SQLiteStore(path) as store:
+        store.start_rollout(rollout("r1"))
+        store.add_spans(spans)
+        store.flush()
+    conn = sqlite3.connect(path)
+    conn.execute("DELETE FROM spans WHERE seq = 1")  # a damaged file: the base of span 2 is gone
+    conn.commit()
+    conn.close()
+    before = counters().get("llm_calls_with_unresolved_messages", 0)
+    with SQLiteStore(path) as store:
+        first, third = store.spans("r1")
+        assert first.attributes == spans[0].attributes
+        assert _IN not in third.attributes and third.attributes[_OUT] == spans[2].attributes[_OUT]
+    assert counters()["llm_calls_with_unresolved_messages"] == before + 1
+
+
+def test_a_store_written_before_is_migrated_and_reads_the_same(tmp_path):
+    spans = _interleaved("old", 5)
+    path = tmp_path / "old.db"
+    old_schema_store(path, 9, [s.attributes for s in spans])
+    before = sqlite3.connect(path).execute("SELECT sum(length(attributes)) FROM spans").fetchone()[0]
+    with SQLiteStore(path) as store:
+        assert [s.attributes for s in store.spans("old")] == [s.attributes for s in spans]
+        assert [c.input_messages for c in store.trajectory("old").llm_calls] == [orjson.loads(s.attributes[_IN]) for s in spans]
+    conn = sqlite3.connect(path)
+    after = conn.execute("SELECT sum(length(attributes)) + sum(length(input_messages)) + sum(length(output_messages)) "
+                         "FROM spans").fetchone()[0]
+    assert conn.execute("SELECT count(input_base_seq) FROM spans").fetchone()[0] == len(spans) - 2
+    assert after < before / 2
+    conn.close()
+
+
+def test_a_spill_line_of_the_previous_version_is_written_back_with_its_messages(tmp_path):
+    (m0, a0), = _conversation(1, random.Random(2))
+    with SQLiteStore(tmp_path / "runs.db") as store:
+        store.start_rollout(rollout("r1"))
+    attrs = {semconv.GEN_AI_OPERATION_NAME: "chat", _IN: orjson.dumps(m0).decode(), _OUT: orjson.dumps([a0]).decode()}
+    old = ["r1", 0, "%032x" % 1, "%016x" % 1, None, "chat tiny", "CLIENT", 1, 2, "OK", None, orjson.dumps(attrs).decode(),
+           None, None, 0, None, None, None]  # 18 columns: tokens packed, messages in the attributes
+    folder = tmp_path / "runs.db.spill"
+    folder.mkdir(exist_ok=True)
+    (folder / "0000000001-999999999.jsonl").write_bytes(orjson.dumps({"kind": "span_packed", "payload": spill_row(old)}) + b"\n")
+    with SQLiteStore(tmp_path / "runs.db") as store:
+        deadline = time.monotonic() + 20
+        while store.spill_files and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not store.spill_files
+        (span,) = store.spans("r1")
+    assert span.attributes == attrs
+
+
+def test_the_store_server_shares_and_its_readers_get_whole_conversations(tmp_path):
+    spans = _interleaved("r1", 6)
+    with BackgroundServer(tmp_path / "served.db") as server:
+        store = lrl.open_store(server.url)
+        try:
+            store.start_rollout(rollout("r1"))
+            store.add_spans(spans)
+            store.finish_rollout("r1", "succeeded", 1.0, None)
+            store.flush()
+            assert [s.attributes for s in store.spans("r1")] == [s.attributes for s in spans]
+            assert [c.input_messages for c in store.trajectory("r1").llm_calls] == \
+                [orjson.loads(s.attributes[_IN]) for s in spans]
+        finally:
+            store.close()
+    assert _stored_text(tmp_path / "served.db")[1] == len(spans) - 2
+
+
+def _vllm_handler(request: httpx.Request) -> httpx.Response:
+    body = orjson.loads(request.content)
+    n = len(orjson.dumps(body["messages"])) // 4  # about 4 characters a token
+    return httpx.Response(200, json={
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "tiny",
+        "prompt_token_ids": list(range(n)),
+        "usage": {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2},
+        "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [n, n + 1],
+                     "message": {"role": "assistant", "content": f"step {len(body['messages'])} " + "word " * 30},
+                     "logprobs": {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}] * 2}}]})
+
+
+def test_an_agent_loop_through_the_openai_client_stores_its_history_once(tmp_path):
+    """The public path: a traced agent, the openai client, the SQLite store; the chat export reads whole."""
+    path = tmp_path / "runs.db"
+    store = lrl.configure(store=f"sqlite:///{path}")
+    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="EMPTY",
+                           http_client=httpx.Client(transport=httpx.MockTransport(_vllm_handler)))
+    rng = random.Random(4)
+    sent = []
+
+    @lrl.trace
+    def agent(task: str) -> float:
+        messages = [{"role": "system", "content": _text(rng, 50)}, {"role": "user", "content": task}]
+        for _ in range(12):
+            sent.append(list(messages))
+            answer = client.chat.completions.create(model="tiny", messages=messages).choices[0].message
+            messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": _text(rng, 40)}]
+        return 1.0
+
+    try:
+        agent("count the words")
+        (traj,) = list(store.trajectories())
+        assert [c.input_messages for c in traj.llm_calls] == sent
+        (example,), _ = chat_examples(store)
+        assert example["messages"][:len(sent[-1])] == sent[-1]
+        stored, referring = _stored_text(path)
+        assert referring == len(sent) - 1 and stored < 2 * len(orjson.dumps(sent[-1]))
+    finally:
+        lrl.configure(store="memory://")
