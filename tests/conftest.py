@@ -25,6 +25,15 @@ MODEL_DIR = Path(os.environ.get("LIGHTNING_RL_TEST_MODEL_DIR") or ROOT / ".cache
 SERVED_NAME = "tiny"
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_span_processors():
+    """A test that gives tracing its own span processors leaves none to the next: each test starts with
+    spans recorded straight to the store (no SDK span), as a process without processors does."""
+    yield
+    if tracing.listeners:
+        tracing.remove_span_processors()
+
+
 @pytest.fixture(params=["sqlite", "memory", "http"])
 def store(request, tmp_path):
     """Each store implementation, fresh (the shared contract runs against all three; ``http`` is

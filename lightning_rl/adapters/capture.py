@@ -373,7 +373,7 @@ class CapturedCall:
                 attrs, tokens = self._choice_attributes(first)
                 span.set_attributes({**common, **attrs})
                 if tokens is not None:
-                    tracing.processor.attach_tokens(span, tokens)
+                    tracing.attach_tokens(span, tokens)
             else:
                 span.set_attributes({**common, semconv.TOKEN_IDS_SOURCE: semconv.SOURCE_MISSING})
             if error is not None:
@@ -402,7 +402,7 @@ class CapturedCall:
             self.span.name, kind=SpanKind.CLIENT, attributes=attrs, start_time=self.span.start_time
         )
         if tokens is not None:
-            tracing.processor.attach_tokens(span, tokens)
+            tracing.attach_tokens(span, tokens)
         span.end()
         self.state.llm_call_finished(index, self.agent)
 

@@ -28,11 +28,10 @@ from ..errors import ConfigurationError
 from ..records import PackedTokens, SpanRow
 from ..settings import Settings
 from .context import _our_span, _rollout
+from .records import KIND_NAMES, STATUS_NAMES, RecordSpan, RecordTracer
 from .sink import SpanSink
 
 INSTRUMENTATION_NAME = "lightning_rl"
-_KIND_NAMES = {kind: kind.name for kind in otel_trace.SpanKind}  # Enum.name is a slow descriptor
-_STATUS_NAMES = {code: code.name for code in otel_trace.StatusCode}
 
 
 def otel_sdk_disabled() -> bool:
@@ -95,10 +94,10 @@ class RolloutSpanProcessor(SpanProcessor):
                 ctx.span_id,
                 parent.span_id if parent is not None else None,
                 span.name,
-                _KIND_NAMES[span.kind],
+                KIND_NAMES[span.kind],
                 span.start_time,
                 span.end_time,
-                _STATUS_NAMES[status.status_code],
+                STATUS_NAMES[status.status_code],
                 status.description,
                 span.attributes,
                 events if events else (),
@@ -140,15 +139,35 @@ class Tracing:
             max_attribute_length=SpanLimits.UNSET,  # never truncate messages or token arrays
             max_span_attribute_length=SpanLimits.UNSET,
         )
-        # ALWAYS_ON: an OTEL_TRACES_SAMPLER meant for the user's own tracing must not sample away training data.
-        self.provider = CaptureProvider(
-            sampler=ALWAYS_ON,
-            span_limits=limits,
-            resource=Resource.create({"service.name": "lightning-rl"}),
-        )
+        self._limits = limits
         self.processor = RolloutSpanProcessor(self.sink)
-        self.provider.add_span_processor(self.processor)
-        self.tracer = self.provider.get_tracer(INSTRUMENTATION_NAME)
+        self._records = RecordTracer(self._write_span)
+        self.remove_span_processors()
+
+    def _write_span(self, row: SpanRow) -> None:
+        self.sink().write_span(row)
+
+    def remove_span_processors(self) -> None:
+        """Forget the user's span processors (tests; a process that configures tracing anew): spans are
+        recorded straight to the sink again, with no SDK span (see ``records.py``)."""
+        with self._lock:
+            # ALWAYS_ON: an OTEL_TRACES_SAMPLER meant for the user's own tracing must not sample away training data.
+            self.provider = CaptureProvider(
+                sampler=ALWAYS_ON,
+                span_limits=self._limits,
+                resource=Resource.create({"service.name": "lightning-rl"}),
+            )
+            self.provider.add_span_processor(self.processor)
+            self.listeners = 0
+            #: What our spans are made with: RecordTracer while nobody but the store listens, else the SDK's.
+            self.tracer: Any = self._records
+
+    def attach_tokens(self, span: Any, tokens: PackedTokens) -> None:
+        """Send ``tokens`` with ``span`` (one of ours) when it ends, beside its attributes."""
+        if type(span) is RecordSpan:
+            span.tokens = tokens
+        else:
+            self.processor.attach_tokens(span, tokens)
 
     # -- sink -----------------------------------------------------------------------------------
     def set_sink_factory(self, factory: Callable[[str], SpanSink]) -> None:
@@ -190,7 +209,10 @@ class Tracing:
                 "are not attached (your OpenTelemetry export is off). Rollouts, LLM calls and token ids are still "
                 "recorded: capture is training data, not telemetry (logged once)"))
             return
-        self.provider.add_span_processor(processor)
+        with self._lock:
+            self.provider.add_span_processor(processor)
+            self.listeners += 1
+            self.tracer = self.provider.get_tracer(INSTRUMENTATION_NAME)  # someone listens: SDK spans from now on
 
     # -- policy versions ------------------------------------------------------------------------
     # A version set in this process (its own publish) holds until the store records a later publish
