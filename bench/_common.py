@@ -35,3 +35,11 @@ def report(title: str, rows: list[tuple[str, dict[str, float], str]], result: di
     for name, s, unit in rows:
         print(f"{name:58} {s['median']:9.2f} {s['min']:9.2f} {s['max']:9.2f}  {unit}")
     print(json.dumps(result))
+
+
+def adapter_call(client: object, options: object) -> object:
+    """The OpenAI adapter's own captured call for one request inside the current rollout: what its
+    wrapper of ``client.request`` makes before the client sends it (record it with ``record_response``)."""
+    from lightning_rl.adapters.openai import _start
+
+    return _start(client, options)[0]

@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_span_cost import fake_vllm_response  # noqa: E402
 
 import lightning_rl as lrl  # noqa: E402
-from lightning_rl.adapters.openai import LLMCall  # noqa: E402
-from lightning_rl.tracer import current_rollout  # noqa: E402
+from _common import adapter_call  # noqa: E402
 
 PER_ROLLOUT = 1000
 STEP = 10000
@@ -52,9 +51,8 @@ def main() -> None:
 
     @lrl.trace
     def rollout(i: int) -> float:
-        state = current_rollout()
         for _ in range(PER_ROLLOUT):
-            LLMCall(client, options, "chat", state).record_response(response)
+            adapter_call(client, options).record_response(response)
         return 1.0
 
     bare = TracerProvider().get_tracer("bench")

@@ -25,11 +25,9 @@ from openai.types.chat import ChatCompletion
 from opentelemetry.sdk.trace import TracerProvider
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_rounds, report, summary  # noqa: E402
+from _common import adapter_call, cpu_rounds, report, summary  # noqa: E402
 
 import lightning_rl as lrl  # noqa: E402
-from lightning_rl.adapters.openai import LLMCall  # noqa: E402
-from lightning_rl.tracer import current_rollout  # noqa: E402
 
 
 def chat_request() -> tuple[openai.OpenAI, FinalRequestOptions]:
@@ -72,9 +70,8 @@ def main() -> None:
 
     @lrl.trace
     def traced_block(n: int) -> int:
-        state = current_rollout()
         for _ in range(n):
-            LLMCall(client, options, "chat", state).record_response(response)
+            adapter_call(client, options).record_response(response)
         return n
 
     def ours() -> int:

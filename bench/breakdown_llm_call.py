@@ -27,9 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_span_cost import chat_request, fake_vllm_response  # noqa: E402
 
 import lightning_rl as lrl  # noqa: E402
-from lightning_rl.adapters.openai import LLMCall  # noqa: E402
+from _common import adapter_call  # noqa: E402
 from lightning_rl.store.rows import span_values  # noqa: E402
-from lightning_rl.tracer import current_rollout  # noqa: E402
 from lightning_rl.tracer.provider import tracing  # noqa: E402
 
 
@@ -59,9 +58,8 @@ def main() -> None:
 
     @lrl.trace
     def block() -> None:
-        state = current_rollout()
         t0 = time.process_time()
-        calls = [LLMCall(client, options, "chat", state) for _ in range(n)]
+        calls = [adapter_call(client, options) for _ in range(n)]
         t1 = time.process_time()
         for c in calls:
             c.read_response(response)
