@@ -127,7 +127,7 @@ bench: all venv-peer
 	$(PY) bench/bench_sqlite_synchronous.py
 	$(PY) bench/bench_commit_window.py
 	$(PY) bench/bench_memory.py
-	$(PY) bench/bench_storage_bytes.py
+	$(PY) bench/bench_storage_bytes.py --all
 	$(PY) bench/bench_capture_cost.py
 	$(PY) bench/bench_policy_memory.py
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json

@@ -65,10 +65,11 @@ def token_values(tokens: PackedTokens | None) -> tuple:
     return (None, 0, tokens.prompt, tokens.response, tokens.logprobs)
 
 
-def lift_messages(attributes: Any) -> tuple[Any, tuple]:
+def lift_messages(attributes: Any, owned: bool = False) -> tuple[Any, tuple]:
     """Attributes without the input/output messages' JSON text, and the text columns of the row that
     hold them instead (stored once, not escaped inside the attributes' JSON, prefix-shared by the
-    writer). A value that is not text stays where it was."""
+    writer). A value that is not text stays where it was. ``owned``: ``attributes`` is a dict of our
+    own that may be changed in place (else it is copied)."""
     inp, out = attributes.get(_INPUT), attributes.get(_OUTPUT)
     if type(inp) is not str:
         inp = None
@@ -76,7 +77,7 @@ def lift_messages(attributes: Any) -> tuple[Any, tuple]:
         out = None
     if inp is None and out is None:
         return attributes, _NO_TEXT
-    rest = dict(attributes)
+    rest = attributes if owned else dict(attributes)
     if inp is not None:
         del rest[_INPUT]
     if out is not None:
@@ -140,7 +141,7 @@ def span_record_values(span: Span) -> tuple:
     """A :class:`Span` record (ingested, or a validated wire span) as a ``spans`` row: its tokens as
     lists (``SpanTokens``) or already packed (the wire's), or token arrays given as legacy attributes."""
     attributes, packed = lift_token_attributes(span.attributes)
-    attributes, text = lift_messages(attributes)
+    attributes, text = lift_messages(attributes, owned=attributes is not span.attributes)
     t = span.tokens
     if t is None:
         pass
@@ -159,7 +160,7 @@ def legacy_span_values(values: tuple | list) -> tuple:
     """A row of an older schema (a spill file written before packed tokens: 13 columns; before the text
     columns: 18) as a row of today's. Their messages stay in the attributes, where readers find them."""
     if len(values) == len(SPAN_COLUMNS):
-        return tuple(values)
+        return values if type(values) is tuple else tuple(values)
     if len(values) == len(OTEL_COLUMNS) + len(TOKEN_COLUMNS):
         return (*values, *_NO_TEXT)
     attributes, packed = lift_token_attributes(orjson.loads(values[11]))

@@ -57,6 +57,11 @@ def _common_prefix(a: Any, b: Any, unit: int) -> int:
     return lo
 
 
+def _size(full: Any) -> int:
+    """Bytes ``full`` holds in memory, about: a str of non-ASCII text takes up to 4 bytes a character."""
+    return len(full) if type(full) is bytes or full.isascii() else 4 * len(full)
+
+
 def conversation(input_messages: str, output_messages: str | None) -> str:
     """A call's input messages' JSON list followed by its output messages, as one JSON list's text
     (what the next call's input messages usually start with)."""
@@ -81,7 +86,7 @@ class _Recent:
         """(base seq, shared units) of the longest prefix of ``value`` among earlier sequences, None if
         none is long enough; ``(seq, -1)`` when ``seq`` was already written (a repeat)."""
         candidates = self._cache.get(rollout_id)
-        if candidates is None:
+        if candidates is None or len(value) < self._head:  # none, or too short to refer to anything
             return None
         self._cache.move_to_end(rollout_id)
         unit, best_seq, best = self._unit, None, 0
@@ -109,24 +114,24 @@ class _Recent:
     def remember(self, rollout_id: str, seq: int, full: Any) -> None:
         candidates = self._cache.setdefault(rollout_id, [])
         candidates.append((seq, full))
-        self._size += len(full)
+        self._size += _size(full)
         if len(candidates) > CANDIDATES_PER_ROLLOUT:
-            self._size -= len(candidates.pop(0)[1])
+            self._size -= _size(candidates.pop(0)[1])
         while self._size > self._limit and self._cache:
             _, dropped = self._cache.popitem(last=False)
-            self._size -= sum(len(f) for _, f in dropped)
+            self._size -= sum(_size(f) for _, f in dropped)
 
     def drop(self, rollout_id: str, seq: int) -> None:
         candidates = self._cache.get(rollout_id)
         if not candidates:
             return
-        self._size -= sum(len(full) for s, full in candidates if s == seq)
+        self._size -= sum(_size(full) for s, full in candidates if s == seq)
         self._cache[rollout_id] = [(s, full) for s, full in candidates if s != seq]
 
     def forget(self, rollout_id: str) -> None:
         dropped = self._cache.pop(rollout_id, None)
         if dropped:
-            self._size -= sum(len(f) for _, f in dropped)
+            self._size -= sum(_size(f) for _, f in dropped)
 
 
 class PrefixSharer:

@@ -218,3 +218,33 @@ def test_an_agent_loop_through_the_openai_client_stores_its_history_once(tmp_pat
         assert referring == len(sent) - 1 and stored < 2 * len(orjson.dumps(sent[-1]))
     finally:
         lrl.configure(store="memory://")
+
+
+def test_the_gateways_records_share_their_history_too(traced):
+    """An agent in another language, through the gateway: its growing conversation is stored once as well."""
+    from lightning_rl.gateway import BackgroundGateway
+    from lightning_rl.store.server import ServerThread
+    from tests.test_gateway_upstreams import fake_engine
+
+    engine = ServerThread(fake_engine("a", []), name="fake-engine")
+    engine.start("a fake engine")
+    rng = random.Random(9)
+    sent = []
+    try:
+        with BackgroundGateway([engine.url]) as gw:
+            opened = httpx.post(f"{gw.url}/v1/rollouts", json={"task": "chat"}).json()
+            messages = [{"role": "system", "content": _text(rng, 50)}]
+            for _ in range(6):
+                messages.append({"role": "user", "content": _text(rng, 30)})
+                sent.append(list(messages))
+                r = httpx.post(opened["base_url"] + "/chat/completions", timeout=10,
+                               json={"model": "m", "messages": messages})
+                assert r.status_code == 200, r.text
+                messages.append(r.json()["choices"][0]["message"])
+            httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/finish", json={})
+    finally:
+        engine.stop()
+    calls = traced.trajectory(opened["rollout_id"]).llm_calls
+    assert [c.input_messages for c in calls] == sent
+    stored, referring = _stored_text(traced.path)
+    assert referring == len(sent) - 1 and stored < 2 * len(orjson.dumps(sent[-1]))
