@@ -560,16 +560,39 @@ def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
 
 @store_group.command("migrate")
 @click.option("--store", default=None, help=STORE_HELP)
+@click.option("--vacuum", is_flag=True, help="Then rewrite the file to give back the space it no longer uses "
+              "(SQLite's VACUUM: needs as much free disk as the file, and no other process writing meanwhile).")
 @_errors
-def store_migrate(store: str | None) -> None:
+def store_migrate(store: str | None, vacuum: bool) -> None:
     """Upgrade a SQLite store file written by an older lightning-rl to this version's schema, in place
-    (what any writer does when it opens the file; the viewer, read-only, does not).
+    (what any command that opens it does, the listing and export ones too; the viewer, read-only, does not).
+    A lightning-rl older than the schema can no longer open it afterwards.
 
-    Example: lightning-rl store migrate --store runs.db
+    Example: lightning-rl store migrate --store runs.db --vacuum
     """
+    import sqlite3
+    from pathlib import Path
+
+    from .store.migrations import latest_version
+    from .store.sqlite_store import SQLiteStore
+
     opened = _open(store)
     opened.close()
-    click.echo(f"{opened.url}: schema up to date")
+    latest = latest_version()
+    before = getattr(opened, "schema_found", None)
+    if before and before < latest:
+        click.echo(f"{opened.url}: upgraded from schema {before} to {latest}")
+    else:
+        click.echo(f"{opened.url}: schema {latest}, up to date")
+    if vacuum and isinstance(opened, SQLiteStore):
+        size = Path(opened.path).stat().st_size
+        conn = sqlite3.connect(opened.path)
+        try:
+            conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.close()
+        click.echo(f"{opened.url}: vacuumed, {size:,} -> {Path(opened.path).stat().st_size:,} bytes")
 
 
 @store_group.command("openapi")

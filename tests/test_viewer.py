@@ -131,6 +131,19 @@ def test_pages_answer_over_plain_http(viewed):
     assert group.count("class='num advantage'>0.866<") == 2 and group.count("class='num advantage'>-0.866<") == 2
 
 
+def test_each_prompt_token_is_shown_once_so_a_long_rollouts_page_stays_linear(viewed):
+    import httpx
+
+    viewer, store = viewed
+    first, second = store.trajectory("calc0").llm_calls
+    shared = len(first.prompt_token_ids) + len(first.response_token_ids)
+    assert second.prompt_token_ids[:shared] == first.prompt_token_ids + first.response_token_ids
+    page = httpx.get(viewer.url + "/rollouts/calc0").text
+    assert f"prompt ({len(second.prompt_token_ids)} tokens; the first {shared} are call {first.index}" in page
+    shown = page.count("<span class='tok prompt'")
+    assert shown == len(first.prompt_token_ids) + len(second.prompt_token_ids) - shared
+
+
 def test_token_is_required_beyond_loopback_and_checked(tmp_path):
     import httpx
 

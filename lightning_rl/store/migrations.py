@@ -14,6 +14,7 @@ from collections.abc import Callable
 import orjson
 import sqlite_utils
 
+from ..diagnostics import logger
 from ..errors import NotAStoreError, SchemaTooNewError
 
 APPLICATION_ID = 0x4C524C31  # "LRL1"
@@ -196,6 +197,11 @@ def migrate(conn: sqlite3.Connection, path: str) -> int:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    if version > 0:  # an existing store changed under its user's feet: said, not silent
+        logger.warning(
+            "lightning-rl: upgraded the store %r from schema %d to %d (a lightning-rl before this one can no longer "
+            "open it). Space the upgrade freed stays in the file until `lightning-rl store migrate --vacuum --store "
+            "%s` gives it back", path, version, latest, path)
     return latest
 
 

@@ -121,6 +121,8 @@ class SQLiteStore(Store):
             return
         self._wconn = connect(self.path, self._busy_timeout, self.synchronous)
         try:
+            #: The schema the file had when this store opened it (0: a new file); ``store migrate`` says it.
+            self.schema_found = self._wconn.execute("PRAGMA user_version").fetchone()[0]
             migrate(self._wconn, self.path)
         except BaseException:
             self._wconn.close()

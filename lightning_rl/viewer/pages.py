@@ -226,6 +226,22 @@ def timeline(spans: Sequence[Any]) -> str:
     return f"<div class='timeline'>{''.join(rows)}</div>"
 
 
+def _shared_prefix(prompt: Sequence[int], earlier: Sequence[tuple[int, list[int]]]) -> tuple[int | None, int]:
+    """The earlier call whose prompt + answer ``prompt`` starts with the most of (at least 16 tokens), and how many."""
+    best_index, best = None, 0
+    for index, full in earlier:
+        n = min(len(prompt), len(full))
+        if prompt[:n] != full[:n]:
+            lo, hi = 0, n - 1  # the first lo match; the first hi+1 do not all match
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if prompt[:mid] == full[:mid] else (lo, mid - 1)
+            n = lo
+        if n > best:
+            best_index, best = index, n
+    return (best_index, best) if best >= 16 else (None, 0)
+
+
 def rollout_page(rollout: Any, trajectory: Any, rewards: Sequence[Any], spans: Sequence[Any], samples: Sequence[Any],
                  decode: Any) -> str:
     r = rollout
@@ -245,16 +261,20 @@ def rollout_page(rollout: Any, trajectory: Any, rewards: Sequence[Any], spans: S
     reward_table = (f"<table id='rewards'><tr><th>Name</th><th>Value</th><th>Source</th><th>On call</th><th>Time</th></tr>"
                     f"{reward_rows}</table>" if rewards else "<p id='rewards'>No rewards yet.</p>")
     calls = []
+    earlier: list[tuple[int, list[int]]] = []  # (index, prompt + response) of the last calls shown
     for c in trajectory.llm_calls:
-        prompt_text = decode(c.prompt_token_ids)
-        response_text = decode(c.response_token_ids)
+        prompt = c.prompt_token_ids
+        base, shared = _shared_prefix(prompt, earlier)
+        tail = prompt[shared:]  # a long rollout's page grows with its length, not its length squared
+        seen = f"; the first {shared} are call {base}'s prompt and answer, shown there" if shared else ""
         calls.append(
             f"<h3>Call {c.index} · {e(c.agent_name or '')} · {e(c.model)} · version {e(c.policy_version)} · "
-            f"{len(c.prompt_token_ids)} prompt + {len(c.response_token_ids)} response tokens · ids from "
+            f"{len(prompt)} prompt + {len(c.response_token_ids)} response tokens · ids from "
             f"{e(c.token_ids_source.value)}</h3><div class='tokens call-tokens'>"
-            f"<details><summary>prompt ({len(c.prompt_token_ids)} tokens)</summary>"
-            f"{token_spans(c.prompt_token_ids, prompt_text, None, css='prompt')}</details>"
-            f"{token_spans(c.response_token_ids, response_text, c.response_logprobs)}</div>")
+            f"<details><summary>prompt ({len(prompt)} tokens{e(seen)})</summary>"
+            f"{token_spans(tail, decode(tail), None, css='prompt')}</details>"
+            f"{token_spans(c.response_token_ids, decode(c.response_token_ids), c.response_logprobs)}</div>")
+        earlier = [*earlier[-7:], (c.index, prompt + c.response_token_ids)]
     sample_html = []
     for s in samples:
         sample_html.append(

@@ -142,6 +142,26 @@ def test_a_store_written_before_is_migrated_and_reads_the_same(tmp_path):
     conn.close()
 
 
+def test_store_migrate_says_what_it_did_and_gives_the_freed_space_back(tmp_path, caplog):
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+
+    old_schema_store(tmp_path / "old.db", 9, [s.attributes for s in _interleaved("old", 12)])
+    path = tmp_path / "old.db"
+    with caplog.at_level("WARNING", logger="lightning_rl"):
+        done = CliRunner().invoke(main, ["store", "migrate", "--store", str(path), "--vacuum"])
+    assert done.exit_code == 0, done.output
+    assert "upgraded from schema 9 to 10" in done.output
+    before, after = (int(x.replace(",", "")) for x in done.output.split("vacuumed, ")[1].split(" bytes")[0].split(" -> "))
+    assert after < before and path.stat().st_size == after
+    assert any("upgraded the store" in r.getMessage() and "from schema 9 to 10" in r.getMessage() for r in caplog.records)
+    again = CliRunner().invoke(main, ["store", "migrate", "--store", str(path)])
+    assert again.exit_code == 0 and "schema 10, up to date" in again.output
+    with SQLiteStore(path) as store:
+        assert len(store.trajectory("old").llm_calls) == 24
+
+
 def test_a_spill_line_of_the_previous_version_is_written_back_with_its_messages(tmp_path):
     (m0, a0), = _conversation(1, random.Random(2))
     with SQLiteStore(tmp_path / "runs.db") as store:
