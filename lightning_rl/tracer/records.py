@@ -14,6 +14,7 @@ the same stored rows.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 import traceback
@@ -165,6 +166,8 @@ class RecordTracer(otel_trace.Tracer):
     def __init__(self, write: Callable[[SpanRow], None]) -> None:
         self._write = write
         self._random = random.Random()  # its own generator: a user's random.seed() must not repeat our ids
+        if hasattr(os, "register_at_fork"):  # a forked runner must not repeat its parent's ids (nor its siblings')
+            os.register_at_fork(after_in_child=self._random.seed)
 
     def _ids(self, bits: int) -> int:
         value = self._random.getrandbits(bits)

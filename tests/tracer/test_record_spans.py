@@ -151,3 +151,21 @@ def test_an_attribute_no_span_can_hold_is_dropped_counted_and_the_rest_kept(trac
     assert root.attributes["framework.tags"] == ["a", "b"] and root.attributes["framework.ok"] == 1
     assert not {"framework.config", "framework.none", "framework.mixed"} & set(root.attributes)
     assert counters()["span_attributes_dropped"] == before + 2
+
+
+def test_a_forked_process_makes_ids_of_its_own(traced):
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the ids its next span gets
+        try:
+            span = tracing._records.start_span("child")
+            os.write(write, f"{span.get_span_context().trace_id:x} {span.get_span_context().span_id:x}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = os.read(read, 200).decode().split()
+    os.waitpid(pid, 0)
+    span = tracing._records.start_span("parent")
+    assert child != [f"{span.get_span_context().trace_id:x}", f"{span.get_span_context().span_id:x}"]
