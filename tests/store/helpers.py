@@ -57,3 +57,20 @@ def old_schema_store(path, version: int, attributes: list[dict]) -> None:
                      "attributes) VALUES ('old', ?, ?, ?, 'chat tiny', 'CLIENT', 1, 2, 'OK', ?)",
                      (seq, "%032x" % 1, "%016x" % (seq + 1), orjson.dumps(attrs).decode()))
     conn.close()
+
+
+def store_with_a_lost_base(path, spans: list[Span]) -> None:
+    """A store file holding rollout ``r1`` of ``spans``, then damaged: the span of seq 1 (the base the
+    span of seq 2 refers to) deleted by hand."""
+    import sqlite3
+
+    from lightning_rl.store.sqlite_store import SQLiteStore
+
+    with SQLiteStore(path) as store:
+        store.start_rollout(rollout("r1"))
+        store.add_spans(spans)
+        store.flush()
+    conn = sqlite3.connect(path)
+    conn.execute("DELETE FROM spans WHERE seq = 1")
+    conn.commit()
+    conn.close()

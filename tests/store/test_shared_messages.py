@@ -21,7 +21,7 @@ from lightning_rl.store.rows import spill_row
 from lightning_rl.store.server import BackgroundServer
 from lightning_rl.store.sqlite_store import SQLiteStore
 
-from .helpers import old_schema_store, rollout
+from .helpers import old_schema_store, rollout, store_with_a_lost_base
 
 _IN, _OUT = semconv.GEN_AI_INPUT_MESSAGES, semconv.GEN_AI_OUTPUT_MESSAGES
 _WORDS = ["alpha", "bravo", "delta", "kilo", "lima", "oscar", "tango", "victor", "zulu", "ünïcode", "引号\"q\""]
@@ -110,14 +110,7 @@ def test_a_resent_history_that_differs_shares_only_what_is_the_same(tmp_path):
 def test_a_reference_to_a_missing_span_reads_without_messages_and_is_counted(tmp_path):
     spans = [_span("r1", i, m, a) for i, (m, a) in enumerate(_conversation(3, random.Random(1)))]
     path = tmp_path / "runs.db"
-    with SQLiteStore(path) as store:
-        store.start_rollout(rollout("r1"))
-        store.add_spans(spans)
-        store.flush()
-    conn = sqlite3.connect(path)
-    conn.execute("DELETE FROM spans WHERE seq = 1")  # a damaged file: the base of span 2 is gone
-    conn.commit()
-    conn.close()
+    store_with_a_lost_base(path, spans)
     before = counters().get("llm_calls_with_unresolved_messages", 0)
     with SQLiteStore(path) as store:
         first, third = store.spans("r1")

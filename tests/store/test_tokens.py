@@ -27,7 +27,7 @@ from lightning_rl.store.sqlite_store import SQLiteStore
 from lightning_rl.store.tokens import MIN_SHARED_TOKENS
 from lightning_rl.tracer import current_rollout
 
-from .helpers import llm_span, old_schema_store, rollout
+from .helpers import llm_span, old_schema_store, rollout, store_with_a_lost_base
 
 
 def test_packing_keeps_every_value_exactly():
@@ -109,14 +109,7 @@ def test_a_prompt_that_diverges_shares_its_common_prefix_only(tmp_path):
 def test_a_reference_to_a_missing_span_reads_as_missing_tokens_not_wrong_ones(tmp_path):
     turns = _turns(3, random.Random(1))
     path = tmp_path / "runs.db"
-    with SQLiteStore(path) as store:
-        store.start_rollout(rollout("r1"))
-        store.add_spans([llm_span("r1", i, i, p, o, logprobs=lp) for i, (p, o, lp) in enumerate(turns)])
-        store.flush()
-    conn = sqlite3.connect(path)
-    conn.execute("DELETE FROM spans WHERE seq = 1")  # a damaged file: the base of span 2 is gone
-    conn.commit()
-    conn.close()
+    store_with_a_lost_base(path, [llm_span("r1", i, i, p, o, logprobs=lp) for i, (p, o, lp) in enumerate(turns)])
     before = counters().get("llm_calls_with_unresolved_prompt", 0)
     with SQLiteStore(path) as store:
         traj = store.trajectory("r1")
