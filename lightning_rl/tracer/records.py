@@ -36,13 +36,22 @@ _UNSET = Status(StatusCode.UNSET)
 _SCALARS = (str, bool, int, float)
 
 
+def _kind(value: Any) -> type | None:
+    """Which of str, bool, int, float ``value`` is (a subclass counts: smolagents' AgentText is a str), or None."""
+    for kind in (bool, str, int, float):  # bool before int: an int attribute list may not hold a bool
+        if isinstance(value, kind):
+            return kind
+    return None
+
+
 def _valid(value: Any) -> bool:
-    """What an OpenTelemetry attribute may hold: a str, bool, int or float, or a sequence of one of them."""
-    if type(value) in _SCALARS:
+    """What an OpenTelemetry attribute may hold, as the SDK checks it: a str, bool, int or float (or a subclass),
+    or a sequence of one of them."""
+    if type(value) in _SCALARS or _kind(value) is not None:
         return True
-    if type(value) in (tuple, list) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes))):
-        kinds = {type(v) for v in value if v is not None}
-        return len(kinds) <= 1 and kinds <= set(_SCALARS)
+    if type(value) in (tuple, list) or (isinstance(value, Sequence) and not isinstance(value, bytes)):
+        kinds = {_kind(v) for v in value if v is not None}
+        return len(kinds) <= 1 and None not in kinds
     return False
 
 
@@ -193,7 +202,7 @@ class RecordTracer(otel_trace.Tracer):
                 if type(value) in _SCALARS:
                     own[key] = value
                 elif _valid(value):
-                    own[key] = tuple(value)
+                    own[key] = tuple(value) if type(value) is list else value
                 elif value is not None:
                     _attribute_dropped(key, value)
         return RecordSpan(name, trace_id, self._ids(64), trace_state, parent_id, kind, start_time or time.time_ns(), own,

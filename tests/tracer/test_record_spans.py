@@ -141,6 +141,7 @@ def test_an_attribute_no_span_can_hold_is_dropped_counted_and_the_rest_kept(trac
     def agent(x):
         span = otel_trace.get_current_span()
         span.set_attribute("framework.tags", ["a", "b"])
+        span.set_attribute("framework.text", type("AgentText", (str,), {})("a str subclass"))  # smolagents' results
         span.set_attribute("framework.config", {"nested": object()})
         span.set_attribute("framework.none", None)
         span.set_attributes({"framework.ok": 1, "framework.mixed": [1, "x"]})
@@ -149,6 +150,7 @@ def test_an_attribute_no_span_can_hold_is_dropped_counted_and_the_rest_kept(trac
     agent(1)
     (root,) = traced.spans(traced.rollouts()[0].rollout_id)
     assert root.attributes["framework.tags"] == ["a", "b"] and root.attributes["framework.ok"] == 1
+    assert root.attributes["framework.text"] == "a str subclass"
     assert not {"framework.config", "framework.none", "framework.mixed"} & set(root.attributes)
     assert counters()["span_attributes_dropped"] == before + 2
 
