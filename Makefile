@@ -72,7 +72,7 @@ browser:
 
 # The viewer's screenshots in docs/images (the README shows them), taken by its browser test.
 screenshots: all
-	LIGHTNING_RL_VIEWER_SCREENSHOTS=1 $(PY) -m pytest -q tests/test_viewer.py
+	LIGHTNING_RL_VIEWER_SCREENSHOTS=1 $(PY) -m pytest -q tests/viewer/test_viewer.py
 
 MODEL_ARGS := --layers 4 --warm-start-steps 1200
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp

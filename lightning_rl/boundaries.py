@@ -29,6 +29,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from . import semconv
+from .errors import ConfigurationError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -40,6 +41,30 @@ SAFE_FORM_CHARS = 1000
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 INT64_TEXT = "SQLite's signed 64-bit range (-2**63 .. 2**63-1)"
+
+
+def is_int(value: Any) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an int to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(value: Any, name: str, *, minimum: int = 0, maximum: int = INT64_MAX, optional: bool = False,
+              meaning: str = "") -> Any:
+    """``value`` when it is an int in ``minimum .. maximum`` (by default up to 2**63-1, what a store column
+    holds), or None when ``optional``; otherwise a :class:`ConfigurationError` naming ``name``, the range
+    and the value (``meaning`` says what the number is, in the message)."""
+    if value is None and optional:
+        return None
+    if is_int(value) and minimum <= value <= maximum:
+        return value
+    upper = "2**63-1" if maximum == INT64_MAX else str(maximum)
+    what = f" ({meaning})" if meaning else ""
+    raise ConfigurationError(f"{name} must be an int >= {minimum} and <= {upper}{what}, got {safe_text(value)}")
 
 
 def int64_problem(value: Any, field: str) -> str | None:

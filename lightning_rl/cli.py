@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from .errors import LightningRLError, missing_dependency
+from .settings import ENV_GATEWAY_TOKEN, ENV_STORE_TOKEN, ENV_VIEW_TOKEN
 
 STORE_HELP = "Store URL or path (default: $LIGHTNING_RL_STORE or ./lightning_rl.db)."
 
@@ -493,7 +494,7 @@ def store_group() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --token.")
 @click.option("--port", type=int, default=8765, show_default=True)
-@click.option("--token", envvar="LIGHTNING_RL_STORE_TOKEN", default=None,
+@click.option("--token", envvar=ENV_STORE_TOKEN, default=None,
               help="Bearer token clients must send (default: $LIGHTNING_RL_STORE_TOKEN).")
 @click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
@@ -613,7 +614,7 @@ def store_openapi() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --token.")
 @click.option("--port", type=int, default=8400, show_default=True)
-@click.option("--token", envvar="LIGHTNING_RL_GATEWAY_TOKEN", default=None,
+@click.option("--token", envvar=ENV_GATEWAY_TOKEN, default=None,
               help="Bearer token for opening rollouts and late rewards (default: $LIGHTNING_RL_GATEWAY_TOKEN).")
 @click.option("--idle-timeout", type=float, default=3600.0, show_default=True,
               help="End a rollout as timed out when no call, reward or finish reached it for this many seconds "
@@ -647,7 +648,7 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
               help="The served model's directory, to show token text (default: token ids).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Anything but loopback needs --token.")
 @click.option("--port", type=int, default=8500, show_default=True)
-@click.option("--token", envvar="LIGHTNING_RL_VIEW_TOKEN", default=None,
+@click.option("--token", envvar=ENV_VIEW_TOKEN, default=None,
               help="Required beyond loopback; open the viewer with ?token=... (default: $LIGHTNING_RL_VIEW_TOKEN).")
 @_errors
 def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host: str, port: int,

@@ -10,10 +10,22 @@ meaning, so ``except ValueError`` keeps working in user code::
     ├── InvalidRewardError (ValueError)       a reward that is not a finite number
     ├── TaskNotSerializableError (TypeError)  a traced call's task that JSON cannot store
     ├── MissingDependencyError (ImportError)  an optional dependency is not installed (names the extra)
-    └── StoreError
-        ├── NotAStoreError (ValueError)       a file that is not a lightning-rl store
-        ├── SchemaTooNewError (RuntimeError)  a store written by a newer lightning-rl
-        └── RolloutNotFoundError (KeyError)   an unknown rollout id
+    ├── StoreError
+    │   ├── NotAStoreError (ValueError)       a file that is not a lightning-rl store
+    │   ├── SchemaTooNewError (RuntimeError)  a store written by a newer lightning-rl
+    │   └── RolloutNotFoundError (KeyError)   an unknown rollout id
+    ├── PublishError (RuntimeError)           the served model refused or missed a weight update
+    ├── JudgeHTTPError (RuntimeError)         the judge's server refused its request (after retries)
+    ├── CommandFailed (RuntimeError)          a command agent (lightning_rl.command) exited non-zero
+    ├── TranslationError (ValueError)         a request another protocol's dialect cannot carry
+    ├── EngineRefusal (RuntimeError)          an engine answered an LLM call with an error status
+    ├── UpstreamError (ConnectionError)       the gateway could not reach an engine, or lost it
+    ├── GatewayError                          a request the gateway refuses (carries its HTTP status)
+    └── OTLPDecodeError (ValueError)          a body that is not an OTLP trace export request
+        └── OTLPTooLarge                      a compressed body that inflates beyond the limit
+
+Every class here is public: ``tests/test_public_api.py`` walks the subclasses of
+:class:`LightningRLError` and holds them to this tree.
 
 Messages say what happened, show the offending value (truncated) and say how to fix it.
 """
@@ -103,6 +115,52 @@ class RolloutNotFoundError(StoreError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class PublishError(LightningRLError, RuntimeError):
+    """The served model refused or could not be reached for a weight update."""
+
+
+class JudgeHTTPError(LightningRLError, RuntimeError):
+    """The judge's server refused the request (after retries, where the status was worth one)."""
+
+
+class CommandFailed(LightningRLError, RuntimeError):
+    """A command agent exited with a non-zero status (its rollout is recorded as failed)."""
+
+
+class TranslationError(LightningRLError, ValueError):
+    """A request that chat completions cannot carry (answered 400, naming what it cannot carry)."""
+
+
+class EngineRefusal(LightningRLError, RuntimeError):
+    """An engine's answer other than 200, as the entry points hand it to the capture core's resend and
+    record it on the call (``status_code``; the text says which field it refused)."""
+
+    def __init__(self, status_code: int, text: str) -> None:
+        super().__init__(f"the engine answered {status_code}: {text[:500]}")
+        self.status_code = status_code
+        self.text = text
+
+
+class UpstreamError(LightningRLError, ConnectionError):
+    """The engine could not be reached, or the connection to it broke or timed out."""
+
+
+class GatewayError(LightningRLError):
+    """A request the gateway refuses: answered with ``status`` and a message naming the fix."""
+
+    def __init__(self, status: int, error: str, details: list[str] | None = None) -> None:
+        super().__init__(error)
+        self.status, self.error, self.details = status, error, details or []
+
+
+class OTLPDecodeError(LightningRLError, ValueError):
+    """A body that is not an OTLP trace export request."""
+
+
+class OTLPTooLarge(OTLPDecodeError):
+    """A compressed body that inflates beyond the limit (a compression bomb, or simply too much)."""
 
 
 def check_reward(value: object, *, what: str = "reward") -> float:

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from . import semconv
+from .boundaries import check_int, is_real
 from .diagnostics import count, report_failure
-from .errors import ConfigurationError
+from .errors import ConfigurationError, JudgeHTTPError
 from .records import Reward, RewardSource, Span
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,6 @@ RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # a rate limit or
 SCALE = (0, 0.25, 0.5, 0.75, 1)  # guided decoding: a score is one of these (a grammar cannot bound a float)
 DEFAULT_RUBRIC = ("Score each answer from 0 (wrong or useless) to 1 (fully correct and complete) for the task. "
                   "Compare the answers with each other: a better answer gets a higher score.")
-
-
-class JudgeHTTPError(RuntimeError):
-    """The judge's server refused the request (after retries, where the status was worth one)."""
 
 
 def _retry_after(header: str | None, default: float) -> float:
@@ -105,9 +102,7 @@ class GroupJudge:
                                      f"(ending in /v1), got {base_url!r}")
         if not isinstance(rubric, str) or not rubric.strip():
             raise ConfigurationError("the judge needs a rubric (what a good answer is)")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigurationError(f"the judge's retries must be an int >= 0 (tries after a rate limit or a server "
-                                     f"error), got {retries!r}")
+        check_int(retries, "the judge's retries", maximum=1000, meaning="tries after a rate limit or a server error")
         self.base_url = base_url.rstrip("/")
         self.model, self.rubric = model, rubric
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "EMPTY")
@@ -136,7 +131,7 @@ class GroupJudge:
             raise ValueError(f"expected {n} scores, got {scores!r}")
         out = []
         for s in scores:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0 <= s <= 1:
+            if not is_real(s) or not math.isfinite(s) or not 0 <= s <= 1:
                 raise ValueError(f"a score is not a number in 0..1: {s!r}")
             out.append(float(s))
         return out

@@ -34,7 +34,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import ConfigurationError, UnknownNameError, check_reward
+from .boundaries import check_int
+from .errors import ConfigurationError, check_reward
+from .registry import Registry
 
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -65,23 +67,10 @@ class Score(float):
         return self
 
 
-REWARD_HELPERS: dict[str, Callable[..., Score]] = {}
-
-
-def register_reward_helper(name: str) -> Callable[[Callable[..., Score]], Callable[..., Score]]:
-    def add(fn: Callable[..., Score]) -> Callable[..., Score]:
-        REWARD_HELPERS[name] = fn
-        return fn
-
-    return add
-
-
-def reward_helper(name: str) -> Callable[..., Score]:
-    try:
-        return REWARD_HELPERS[name]
-    except KeyError:
-        raise UnknownNameError(f"unknown reward helper {name!r}; known: {', '.join(sorted(REWARD_HELPERS))} "
-                               "(or register one with @lightning_rl.rewards.register_reward_helper)") from None
+REWARD_HELPERS: Registry[Callable[..., Score]] = Registry(
+    "reward helper", hint="or register one with @lightning_rl.rewards.register_reward_helper")
+register_reward_helper = REWARD_HELPERS.register
+reward_helper = REWARD_HELPERS.get
 
 
 def _text(value: Any) -> str:
@@ -180,8 +169,7 @@ def tool_use(tool_calls: Iterable[Any] | None, name: str, *, schema: Mapping[str
 
 @register_reward_helper("length_penalty")
 def length_penalty(tokens_or_text: Any, target: int, *, scale: float = 1.0) -> Score:
-    if isinstance(target, bool) or not isinstance(target, int) or target < 1:
-        raise ConfigurationError(f"length_penalty's target must be an int >= 1 (tokens or characters), got {target!r}")
+    check_int(target, "length_penalty's target", minimum=1, meaning="tokens or characters")
     scale = check_reward(scale, what="length_penalty's scale")
     n = len(tokens_or_text) if not isinstance(tokens_or_text, int) else tokens_or_text
     over = max(0, n - target) / target

@@ -26,7 +26,26 @@ variable                           meaning                                      
 ``LIGHTNING_RL_SQLITE_SYNCHRONOUS`` ``normal``: a committed rollout survives the process being  ``normal``
                                    killed, not a power loss or OS crash; ``full``: it survives
                                    those too (an fsync per commit)
+``LIGHTNING_RL_GATEWAY_TOKEN``     bearer token of ``lightning-rl gateway`` (opening rollouts, none
+                                   late rewards); required beyond loopback
+``LIGHTNING_RL_VIEW_TOKEN``        token of ``lightning-rl view``; required beyond loopback     none
+``LIGHTNING_RL_VLLM_PYTHON``       a Python that has vLLM, for ``VLLMServer`` (after this       none
+                                   interpreter, before a ``.venv-vllm``)
+``LIGHTNING_RL_BASE_URL``          the examples' OpenAI-compatible endpoint (``.../v1``), used  none (the examples
+                                   instead of serving the tiny model (``serve_or_connect``)     serve the tiny model)
+``LIGHTNING_RL_MODEL``             the model name the examples request from it                 ``tiny``
+``LIGHTNING_RL_API_KEY``           the API key the examples send to it                         ``EMPTY``
 =================================  ==========================================================  =====================
+
+Set by lightning-rl for a command agent (``lightning_rl.command``, the gateway), read by that agent:
+
+=================================  ==========================================================
+``LIGHTNING_RL_ROLLOUT_ID``        the id of the rollout the process runs in
+``LIGHTNING_RL_TASK``              its task, as JSON (also the first line of its stdin)
+``LIGHTNING_RL_REWARDS_URL``       where it may POST rewards for its rollout
+=================================  ==========================================================
+
+Internal: ``_LIGHTNING_RL_SERVER_ARGS`` carries ``store serve``'s settings to its worker processes.
 """
 
 from __future__ import annotations
@@ -47,6 +66,20 @@ ENV_SQLITE_SYNCHRONOUS = "LIGHTNING_RL_SQLITE_SYNCHRONOUS"
 SQLITE_SYNCHRONOUS = ("normal", "full")
 ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
 ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
+ENV_STORE_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
+ENV_SPILL_DIR = "LIGHTNING_RL_SPILL_DIR"
+ENV_GATEWAY_TOKEN = "LIGHTNING_RL_GATEWAY_TOKEN"
+ENV_VIEW_TOKEN = "LIGHTNING_RL_VIEW_TOKEN"
+ENV_VLLM_PYTHON = "LIGHTNING_RL_VLLM_PYTHON"
+ENV_BASE_URL = "LIGHTNING_RL_BASE_URL"
+ENV_MODEL = "LIGHTNING_RL_MODEL"
+ENV_API_KEY = "LIGHTNING_RL_API_KEY"
+# set for a command agent by lightning_rl.command
+ENV_ROLLOUT_ID = "LIGHTNING_RL_ROLLOUT_ID"
+ENV_TASK = "LIGHTNING_RL_TASK"
+ENV_REWARDS_URL = "LIGHTNING_RL_REWARDS_URL"
+# internal: store serve's settings for its worker processes
+ENV_SERVER_WORKER = "_LIGHTNING_RL_SERVER_ARGS"
 
 DEFAULT_STORE = "sqlite:///lightning_rl.db"
 MODES = ("train", "eval", "prod")

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigurationError
-
-ENV_VLLM_PYTHON = "LIGHTNING_RL_VLLM_PYTHON"
+from .settings import ENV_API_KEY, ENV_BASE_URL, ENV_MODEL, ENV_STORE, ENV_VLLM_PYTHON
 
 
 def candidate_pythons() -> list[tuple[Path, str]]:
@@ -116,7 +115,7 @@ class VLLMServer:
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.pop("LIGHTNING_RL_STORE", None)
+        env.pop(ENV_STORE, None)
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
@@ -156,11 +155,6 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-ENV_BASE_URL = "LIGHTNING_RL_BASE_URL"  # an OpenAI-compatible endpoint (".../v1") to use instead
-ENV_MODEL = "LIGHTNING_RL_MODEL"  # the model name to request from it
-ENV_API_KEY = "LIGHTNING_RL_API_KEY"
 
 
 @contextlib.contextmanager

@@ -447,12 +447,3 @@ def refused_token_fields(call: CapturedCall) -> None:
         "request was sent again without them, and calls to it are recorded without token ids (not trained on). "
         "Serve the model with vLLM >= 0.10.2 to train on these calls, or list the host in "
         "LIGHTNING_RL_NO_INJECT_HOSTS to skip the first try"))
-
-
-class EngineRefusal(Exception):
-    """An engine's answer other than 200, as the entry points hand it to :func:`resend_without_token_fields`
-    and record it on the call (``status_code``; the text says which field it refused)."""
-
-    def __init__(self, status_code: int, text: str) -> None:
-        super().__init__(f"the engine answered {status_code}: {text[:500]}")
-        self.status_code = status_code

@@ -35,11 +35,12 @@ from typing import Any
 
 import orjson
 
+from ..errors import EngineRefusal, TranslationError
 from .. import semconv
 from ..diagnostics import count, report_failure
 from ..tracer.context import _rollout
-from .capture import CapturedCall, EngineRefusal, Server, refused_token_fields, resend_without_token_fields
-from .dialects import DIALECTS, MESSAGES, Dialect, TranslationError
+from .capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
+from .dialects import DIALECTS, MESSAGES, Dialect
 from .dialects.chat import ChatRenderer, relay_line, strip
 
 #: Set by the openai adapter around the OpenAI client's requests that it records itself.

@@ -8,9 +8,9 @@ spans; ``app.py`` serves it all; ``command.py`` is ``lrl.command``.
 """
 
 from .app import BackgroundGateway, check_bind, create_app, serve
-from .command import CommandFailed, command, local_gateway
+from ..errors import CommandFailed, GatewayError
+from .command import command, local_gateway
 from .proxy import Gateway
-from .rollouts import GatewayError
 
 __all__ = ["BackgroundGateway", "CommandFailed", "Gateway", "GatewayError", "check_bind", "command", "create_app",
            "local_gateway", "serve"]

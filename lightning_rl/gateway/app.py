@@ -12,16 +12,15 @@ from typing import Any
 
 import orjson
 
-from ..adapters.dialects import DIALECTS, Dialect, TranslationError
+from ..adapters.dialects import DIALECTS, Dialect
 from ..adapters.dialects.chat import error as openai_error
 from ..boundaries import json_problem, message_problems
 from ..diagnostics import report_failure
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, GatewayError, OTLPDecodeError, OTLPTooLarge, TranslationError, UpstreamError
 from . import otlp
 from .forwarding import Relay
 from .proxy import Gateway
-from .rollouts import GatewayError, OpenRollout
-from .upstream import UpstreamError
+from .rollouts import OpenRollout
 
 try:
     from fastapi import FastAPI, Request
@@ -125,9 +124,9 @@ def create_app(gateway: Gateway) -> Any:
         kind = otlp.content_kind(request.headers.get("content-type"))
         try:
             spans = otlp.decode(body, kind, request.headers.get("content-encoding"), gateway.max_body_bytes)
-        except otlp.OTLPTooLarge as exc:
+        except OTLPTooLarge as exc:
             raise GatewayError(413, str(exc)) from None
-        except otlp.OTLPDecodeError as exc:
+        except OTLPDecodeError as exc:
             raise GatewayError(400, str(exc)) from None
         problems = otlp.span_problems(spans)
         if problems:

@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 from ..boundaries import header_secret, secret_matches
-from .rollouts import KEY_PREFIX, GatewayError, OpenRollout
+from ..errors import GatewayError
+from .rollouts import KEY_PREFIX, OpenRollout
 
 
 class Auth:

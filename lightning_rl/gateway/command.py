@@ -15,16 +15,13 @@ from typing import Any
 
 import orjson
 
-from ..errors import ConfigurationError, LightningRLError
+from ..errors import CommandFailed, ConfigurationError
+from ..settings import ENV_REWARDS_URL, ENV_ROLLOUT_ID, ENV_TASK
 from ..tracer.context import current_rollout
 from ..tracer.decorator import trace
 from ..tracer.provider import current_our_span
 from .app import BackgroundGateway
 from .proxy import Gateway
-
-
-class CommandFailed(LightningRLError, RuntimeError):
-    """A command agent exited with a non-zero status (its rollout is recorded as failed)."""
 
 
 _LOCAL: dict[tuple[str, ...], BackgroundGateway] = {}
@@ -81,8 +78,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str], name: str | N
         opened = gw.gateway.adopt(state, current_our_span(), gw.url)
         task_json = orjson.dumps(task).decode()
         child_env = {**os.environ, **extra, "OPENAI_BASE_URL": opened["base_url"], "OPENAI_API_KEY": opened["api_key"],
-                     "LIGHTNING_RL_ROLLOUT_ID": state.rollout_id, "LIGHTNING_RL_TASK": task_json,
-                     "LIGHTNING_RL_REWARDS_URL": f"{gw.url}/v1/rollouts/{state.rollout_id}/rewards",
+                     ENV_ROLLOUT_ID: state.rollout_id, ENV_TASK: task_json,
+                     ENV_REWARDS_URL: f"{gw.url}/v1/rollouts/{state.rollout_id}/rewards",
                      # an agent instrumented with an OpenTelemetry SDK sends its spans to its rollout
                      "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": opened["base_url"] + "/traces",
                      "OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"authorization=Bearer%20{opened['api_key']}"}
@@ -104,5 +101,3 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str], name: str | N
         return _reward_of(out)
 
     return run
-
-

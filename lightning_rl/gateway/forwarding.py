@@ -12,15 +12,16 @@ from typing import Any
 
 import orjson
 
+from ..errors import EngineRefusal, GatewayError, UpstreamError
 from .. import semconv
-from ..adapters.capture import CapturedCall, EngineRefusal, Server, refused_token_fields, resend_without_token_fields
+from ..adapters.capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
 from ..adapters.dialects.chat import ChatRenderer, relay_line, strip
 from ..diagnostics import count
 from ..tracer.context import rollout_scope
 from ..tracer.provider import current_span_of_ours, record_tool_span
-from .rollouts import GatewayError, OpenRollout
+from .rollouts import OpenRollout
 from .upstream import Response as UpstreamResponse
-from .upstream import Upstream, UpstreamError
+from .upstream import Upstream
 
 ENDPOINTS = {"chat/completions": semconv.OP_CHAT, "completions": semconv.OP_TEXT_COMPLETION}
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from ..boundaries import INT64_MAX, attribute_problems, json_problem
-from ..errors import ConfigurationError, LightningRLError
+from ..errors import ConfigurationError, OTLPDecodeError, OTLPTooLarge
 
 try:
     from google.protobuf import json_format
@@ -29,10 +29,6 @@ except ImportError as exc:
 
 _KINDS = {0: "INTERNAL", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
-
-
-class OTLPDecodeError(LightningRLError, ValueError):
-    """A body that is not an OTLP trace export request."""
 
 
 def content_kind(content_type: str | None) -> str:
@@ -63,10 +59,6 @@ def _hex_ids_to_base64(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_hex_ids_to_base64(x) for x in obj]
     return obj
-
-
-class OTLPTooLarge(OTLPDecodeError):
-    """A compressed body that inflates beyond the limit (a compression bomb, or simply too much)."""
 
 
 def inflate(body: bytes, encoding: str | None, limit: int) -> bytes:

@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 
 from .. import semconv
-from ..boundaries import INT64_MAX, json_problem, safe_text
+from ..boundaries import INT64_MAX, is_int, json_problem, safe_text
 from ..diagnostics import count, report_failure
-from ..errors import InvalidRewardError, LightningRLError, check_reward
+from ..errors import GatewayError, InvalidRewardError, check_reward
 from ..records import Reward, RewardSource, Rollout, RolloutStatus, SpanRow
 from ..settings import MODES
 from ..tracer.context import RolloutState, rollout_scope
@@ -24,14 +24,6 @@ from ..tracer.provider import tracing
 
 KEY_PREFIX = "lrl-"
 ORIGIN = "gateway"  # Rollout.origin of the rollouts opened over the HTTP API
-
-
-class GatewayError(LightningRLError):
-    """A request the gateway refuses: answered with ``status`` and a message naming the fix."""
-
-    def __init__(self, status: int, error: str, details: list[str] | None = None) -> None:
-        super().__init__(error)
-        self.status, self.error, self.details = status, error, details or []
 
 
 @dataclass(eq=False)
@@ -46,8 +38,6 @@ class OpenRollout:
     tool_calls_seen: set[str] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)  # the last call, reward or span sent to it
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 
 
 class Rollouts:
@@ -67,7 +57,7 @@ class Rollouts:
             if value is not None and (not isinstance(value, str) or not value):
                 raise GatewayError(422, f"{key} must be a non-empty string, got {value!r}")
         attempt = body.get("attempt", 0)
-        if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= INT64_MAX:
+        if not is_int(attempt) or not 0 <= attempt <= INT64_MAX:
             raise GatewayError(422, f"attempt must be an int from 0 to 2**63-1, got {safe_text(attempt)[:60]}")
         problem = json_problem(task, "task")
         if problem:
@@ -261,4 +251,3 @@ class Rollouts:
             active.state.rollout_id, next(active.state.seq), root.trace_id, span["span_id"],
             span["parent_id"] or root.span_id, span["name"], span["kind"], span["start_ns"], span["end_ns"],
             span["status_code"], span["status_message"], attributes, span["events"]))
-

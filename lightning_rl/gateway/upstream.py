@@ -28,11 +28,9 @@ from typing import Any
 
 import httptools
 
+from ..errors import UpstreamError
+
 _HIGH_WATER = 1 << 20  # pause reading from the engine while this much of its answer is unread
-
-
-class UpstreamError(ConnectionError):
-    """The engine could not be reached, or the connection to it broke or timed out."""
 
 
 class _Connection(asyncio.Protocol):

@@ -15,7 +15,7 @@ import orjson
 from pydantic import ValidationError
 
 from .. import semconv
-from ..boundaries import INT64_MAX, json_problem
+from ..boundaries import check_int, json_problem
 from ..diagnostics import count
 from ..errors import ConfigurationError, RolloutNotFoundError, check_reward, shown
 from ..records import (
@@ -50,16 +50,11 @@ def _since(value: float | dt.datetime | None) -> float | None:
 
 def check_count(value: Any, name: str, *, minimum: int = 0, optional: bool = False) -> None:
     """A count, position or version a caller passes: an int from ``minimum`` to 2**63-1 (SQLite's range)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
-        what = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
-        raise ConfigurationError(f"{name} must be {what} (up to 2**63-1, SQLite's range), got {shown(value)}")
+    check_int(value, name, minimum=minimum, optional=optional)
 
 
 def check_position(after: Any) -> None:
-    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= INT64_MAX:
-        raise ConfigurationError(f"after must be a position returned by rewarded_since (an int >= 0), got {shown(after)}")
+    check_int(after, "after", meaning="a position returned by rewarded_since")
 
 
 def page_matches(query: RolloutQuery, row: RolloutRow) -> bool:

@@ -33,29 +33,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..diagnostics import count
-from ..errors import ConfigurationError, UnknownNameError
+from ..errors import ConfigurationError
 from ..records import Reward, RewardSource
+from ..registry import Registry
 
 CreditAssigner = Callable[..., list[float | None]]
-CREDIT_ASSIGNERS: dict[str, CreditAssigner] = {}
-
-
-def register_credit(name: str) -> Callable[[CreditAssigner], CreditAssigner]:
-    def register(fn: CreditAssigner) -> CreditAssigner:
-        CREDIT_ASSIGNERS[name] = fn
-        return fn
-
-    return register
-
-
-def get_credit_assigner(name: str) -> CreditAssigner:
-    try:
-        return CREDIT_ASSIGNERS[name]
-    except KeyError:
-        raise UnknownNameError(
-            f"unknown credit assignment {name!r}; known: {', '.join(sorted(CREDIT_ASSIGNERS))} "
-            "(or register one with @lightning_rl.register_credit)"
-        ) from None
+CREDIT_ASSIGNERS: Registry[CreditAssigner] = Registry(
+    "credit assignment", hint="or register one with @lightning_rl.register_credit")
+register_credit = CREDIT_ASSIGNERS.register
+get_credit_assigner = CREDIT_ASSIGNERS.get
 
 
 def _gamma(gamma: float) -> float:

@@ -40,15 +40,13 @@ from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
 from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, QueueStatus, Reward, Rollout, RolloutPage,
                        RolloutQuery, RolloutStatus, Span, SpanRow)
-from ..settings import Settings
+from ..settings import ENV_SPILL_DIR, ENV_STORE_TOKEN, Settings
 from . import wire
 from .base import Store, check_count, check_position
 from .lifecycle import track
 from .spill import SpillFiles
 from .writer import BackgroundWriter
 
-ENV_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
-ENV_SPILL_DIR = "LIGHTNING_RL_SPILL_DIR"
 _RETRY_DELAYS = (0.05, 0.2, 0.5)  # a batch is spilled after these (about 0.75 s of trying)
 _PROBE_EVERY = 0.5  # while spilling, the server is tried again at most this often
 # A write the agent may be waiting for (its rollout's flush) gets about a second in all, also when
@@ -94,7 +92,7 @@ class HttpStore(Store):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError(f"store URL {url!r} is not an http(s)://host:port URL of `lightning-rl store serve`")
         self.url = url.rstrip("/")
-        token = token if token is not None else os.environ.get(ENV_TOKEN)
+        token = token if token is not None else os.environ.get(ENV_STORE_TOKEN)
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"

@@ -39,7 +39,7 @@ except ImportError as exc:  # the server is an extra; clients need only the core
 from ..boundaries import INT64_MAX
 from ..diagnostics import counters
 from ..records import PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
-from ..settings import check_synchronous
+from ..settings import ENV_SERVER_WORKER, check_synchronous
 from . import wire
 from .base import Store
 from .serving import ServerThread, is_loopback, uvicorn_options
@@ -399,12 +399,11 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
-_ENV_WORKER = "_LIGHTNING_RL_SERVER_ARGS"
 
 
 def _worker_app() -> Any:
     """One worker process's app (uvicorn imports this factory in every worker)."""
-    args = json.loads(os.environ[_ENV_WORKER])
+    args = json.loads(os.environ[ENV_SERVER_WORKER])
     from .sqlite_store import SQLiteStore
 
     _tune_gc()
@@ -435,7 +434,7 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
 
     check_bind(host, token)
     SQLiteStore(db).close()  # create and migrate once, refusing foreign files before any worker starts
-    os.environ[_ENV_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
+    os.environ[ENV_SERVER_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
                                           "synchronous": check_synchronous(synchronous)})
     uvicorn.run(f"{__name__}:_worker_app", factory=True, host=host, port=port, workers=workers,
                 log_level=log_level, timeout_graceful_shutdown=10, **uvicorn_options())

@@ -36,7 +36,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import semconv
-from ..boundaries import INT64_MAX, MAX_JSON_DEPTH, json_problem, safe_text, storable
+from ..boundaries import MAX_JSON_DEPTH, check_int, json_problem, safe_text, storable
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, InvalidRewardError, check_reward
 from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
@@ -68,9 +68,7 @@ def rollout_overrides(**values: Any) -> Iterator[None]:
     sampling = values.get("sampling")
     if sampling is not None and (not isinstance(sampling, dict) or set(sampling) - SAMPLING_KEYS):
         raise ConfigurationError(f"sampling must be a dict with keys among {sorted(SAMPLING_KEYS)}, got {sampling!r}")
-    attempt = values.get("attempt")
-    if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= INT64_MAX):
-        raise ConfigurationError(f"attempt must be an int from 0 to 2**63-1, got {safe_text(attempt)}")
+    check_int(values.get("attempt"), "attempt", optional=True)
     for key in ("rollout_id", "group_id"):
         if values.get(key) is not None and (not isinstance(values[key], str) or not values[key]):
             raise ConfigurationError(f"{key} must be a non-empty string, got {safe_text(values[key])}")

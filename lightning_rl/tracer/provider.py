@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from .. import semconv
+from ..boundaries import check_int
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
 from ..records import PackedTokens, SpanRow
@@ -219,8 +220,7 @@ class Tracing:
     # of that name; every process reads the store's publishes, so runner processes, Ray actors and
     # agents behind the gateway stamp the same versions as the trainer that published them.
     def set_policy_version(self, version: int, model: str | None = None) -> None:
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ConfigurationError(f"policy version must be a non-negative int, got {version!r}")
+        check_int(version, "policy version")
         self._policy_versions[model] = version
         self._set_at[model] = time.time()
 

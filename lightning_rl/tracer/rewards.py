@@ -12,8 +12,8 @@ from opentelemetry import trace as otel_trace
 
 from .. import semconv
 from ..diagnostics import report_failure
-from ..boundaries import INT64_MAX, safe_text
-from ..errors import ConfigurationError, check_reward
+from ..boundaries import check_int
+from ..errors import check_reward
 from ..records import Reward, RewardSource
 from .context import require_rollout
 from .provider import tracing
@@ -29,10 +29,7 @@ def emit_reward(
     """Record a reward for the active rollout. Raises ``InvalidRewardError`` (a ValueError) for a
     non-finite or non-numeric value and ``NotInRolloutError`` outside any traced call."""
     value = check_reward(value, what=f"reward {name!r}")
-    if llm_call_index is not None and (isinstance(llm_call_index, bool) or not isinstance(llm_call_index, int)
-                                       or not 0 <= llm_call_index <= INT64_MAX):
-        raise ConfigurationError(f"llm_call_index must be the index of an LLM call of this rollout (an int from 0 "
-                                 f"to 2**63-1), got {safe_text(llm_call_index)}")
+    check_int(llm_call_index, "llm_call_index", optional=True, meaning="the index of an LLM call of this rollout")
     state = require_rollout("emit_reward()")
     if llm_call_index is None:
         llm_call_index = state.last_llm_call_by_agent.get(agent) if agent else state.last_llm_call

@@ -24,42 +24,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError, UnknownNameError
+from ..errors import ConfigurationError
+from ..registry import Registry
 
-ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
+ADV_ESTIMATORS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
+    "advantage estimator", hint="or register one with @register_adv_estimator")
+POLICY_LOSSES: Registry[Callable[..., tuple[torch.Tensor, dict[str, float]]]] = Registry(
+    "policy loss", hint="or register one with @register_policy_loss")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def register_adv_estimator(name: str):
-    def register(fn):
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return register
-
-
-def register_policy_loss(name: str):
-    def register(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return register
-
-
-def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
-    try:
-        return table[name]
-    except KeyError:
-        raise UnknownNameError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}") from None
-
-
-def get_adv_estimator(name: str):
-    return _lookup(ADV_ESTIMATORS, name, "advantage estimator")
-
-
-def get_policy_loss(name: str):
-    return _lookup(POLICY_LOSSES, name, "policy loss")
+register_adv_estimator = ADV_ESTIMATORS.register
+register_policy_loss = POLICY_LOSSES.register
+get_adv_estimator = ADV_ESTIMATORS.get
+get_policy_loss = POLICY_LOSSES.get
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -31,8 +31,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..boundaries import is_real
 from ..diagnostics import count, report_failure
-from ..errors import ConfigurationError, UnknownNameError
+from ..errors import ConfigurationError
+from ..registry import Registry
 
 # Our metrics-line keys -> verl's names for the same quantity (verl/trainer/ppo/metric_utils.py,
 # dp_actor.py, rollout_corr_helper.py).
@@ -57,7 +59,7 @@ VERL_NAMES = {
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real(value):
         return None
     return float(value) if math.isfinite(value) else None
 
@@ -115,6 +117,14 @@ def _needs(package: str, module: str) -> Any:
                                  f"pip install 'lightning-rl[trackers]' (or pip install {package})") from None
 
 
+#: Trackers by name: ``factory(out_dir, run_name, config)`` returns an object with ``log``, ``log_samples``
+#: and ``close``. Add one with ``@register_logger("name")`` on its factory (a class, usually).
+LOGGERS: Registry[Callable[[Path, str, Mapping[str, Any]], Logger]] = Registry(
+    "logger", hint="or register one with @register_logger")
+register_logger = LOGGERS.register
+
+
+@register_logger("tensorboard")
 class TensorBoardLogger:
     """Scalars and sample tables (as markdown text) in TensorBoard event files."""
 
@@ -144,6 +154,7 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+@register_logger("mlflow")
 class MLflowLogger:
     """An MLflow run: the settings as params, metrics per step, samples as a JSON artifact per step."""
 
@@ -177,6 +188,7 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id)
 
 
+@register_logger("wandb")
 class WandbLogger:
     """A Weights & Biases run (offline by default: module doc); samples as a ``wandb.Table``."""
 
@@ -199,30 +211,13 @@ class WandbLogger:
         self.run.finish()
 
 
-LOGGERS: dict[str, Callable[[Path, str, Mapping[str, Any]], Logger]] = {
-    "tensorboard": TensorBoardLogger,
-    "mlflow": MLflowLogger,
-    "wandb": WandbLogger,
-}
-
-
-def register_logger(name: str, factory: Callable[[Path, str, Mapping[str, Any]], Logger]) -> None:
-    """Add a tracker: ``factory(out_dir, run_name, config)`` returns an object with ``log``,
-    ``log_samples`` and ``close``."""
-    if not isinstance(name, str) or not name or not callable(factory):
-        raise ConfigurationError(f"register_logger needs a name and a factory, got {name!r}, {factory!r}")
-    LOGGERS[name] = factory
-
-
 def check_loggers(loggers: Sequence[str | Logger] | None) -> None:
     """Refuse unknown names and non-loggers before a run starts (nothing is opened here)."""
     if isinstance(loggers, (str, bytes)):
         raise ConfigurationError(f"loggers is a list of names or logger objects, e.g. ['tensorboard'], got {loggers!r}")
     for spec in loggers or ():
         if isinstance(spec, str):
-            if spec not in LOGGERS:
-                raise UnknownNameError(f"unknown logger {spec!r}; known: {', '.join(sorted(LOGGERS))} "
-                                       "(or register_logger(name, factory))")
+            LOGGERS.get(spec)  # an unknown name: UnknownNameError listing the known ones
         elif not all(callable(getattr(spec, m, None)) for m in ("log", "log_samples", "close")):
             raise ConfigurationError(f"a logger is a registered name ({', '.join(sorted(LOGGERS))}) or an object "
                                      f"with log, log_samples and close; got {spec!r}")
@@ -232,7 +227,7 @@ def make_loggers(loggers: Sequence[str | Logger] | None, out_dir: Path, run_name
                  config: Mapping[str, Any]) -> list[Logger]:
     """The trackers asked for: names from the registry, or logger objects as they are."""
     check_loggers(loggers)
-    return [LOGGERS[spec](Path(out_dir), run_name, config) if isinstance(spec, str) else spec
+    return [LOGGERS.get(spec)(Path(out_dir), run_name, config) if isinstance(spec, str) else spec
             for spec in loggers or ()]
 
 

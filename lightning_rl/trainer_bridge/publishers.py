@@ -19,12 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigurationError, LightningRLError, UnknownNameError
+from ..errors import ConfigurationError, PublishError
+from ..registry import Registry
 from ..tracer.provider import tracing
-
-
-class PublishError(LightningRLError, RuntimeError):
-    """The served model refused or could not be reached for a weight update."""
 
 
 class Publisher(Protocol):
@@ -44,23 +41,14 @@ def publish_and_record(publisher: Publisher, store: Any, model: Any, version: in
                         **({"trained_on": list(trained_on)} if trained_on is not None else {}))
 
 
-PUBLISHERS: dict[str, Callable[..., Publisher]] = {}
-
-
-def register_publisher(name: str) -> Callable[[Callable[..., Publisher]], Callable[..., Publisher]]:
-    def register(factory: Callable[..., Publisher]) -> Callable[..., Publisher]:
-        PUBLISHERS[name] = factory
-        return factory
-
-    return register
+PUBLISHERS: Registry[Callable[..., Publisher]] = Registry(
+    "publisher", hint="or register one with @register_publisher")
+register_publisher = PUBLISHERS.register
 
 
 def make_publisher(name: str, **kwargs: Any) -> Publisher:
-    try:
-        factory = PUBLISHERS[name]
-    except KeyError:
-        raise UnknownNameError(f"unknown publisher {name!r}; known: {', '.join(sorted(PUBLISHERS))}") from None
-    return factory(**kwargs)
+    """A publisher from the registry, built with ``kwargs``."""
+    return PUBLISHERS.get(name)(**kwargs)
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> str:

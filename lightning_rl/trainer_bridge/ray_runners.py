@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..settings import ENV_STORE_TOKEN
 
 
 class _RunnerActor:
@@ -31,7 +32,7 @@ class _RunnerActor:
 
     def __init__(self, agent: str, store_url: str, token: str | None, options: dict) -> None:
         if token:
-            os.environ["LIGHTNING_RL_STORE_TOKEN"] = token
+            os.environ[ENV_STORE_TOKEN] = token
         from .._api import configure
         from .runner import Runner, load_agent
 
@@ -73,7 +74,7 @@ def start_ray_runners(agent: str, store_url: str, *, n: int = 2, concurrency: in
     actor_cls = ray.remote(_RunnerActor).options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=2,
                                                   runtime_env=runtime_env)
     options = dict(concurrency=concurrency, lease_seconds=lease_seconds, rollout_timeout=rollout_timeout)
-    token = token if token is not None else os.environ.get("LIGHTNING_RL_STORE_TOKEN")
+    token = token if token is not None else os.environ.get(ENV_STORE_TOKEN)
     actors = [actor_cls.remote(agent, store_url, token, dict(options, runner_id=f"ray-{i}")) for i in range(n)]
     return RayRunners(actors, [a.serve.remote(idle_exit, max_rollouts) for a in actors])
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..boundaries import check_int
 from ..diagnostics import report_failure
 from ..errors import ConfigurationError
 from ..records import Mode, QueueStatus, RolloutStatus, Sample, Trajectory
@@ -89,8 +90,7 @@ class LiveGroups:
         (worker processes; synchronous only)."""
         if (work is None) == (run_now is None):
             raise ConfigurationError("LiveGroups needs exactly one of work= (a background runner) or run_now=")
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ConfigurationError(f"max_staleness must be an int >= 0 (0: synchronous), got {max_staleness!r}")
+        check_int(max_staleness, "max_staleness", meaning="0: synchronous")
         if run_now is not None and max_staleness:
             raise ConfigurationError(f"max_staleness={max_staleness} overlaps rollouts with updates, which worker "
                                      "processes (processes=) do not do yet; use processes=0 (async agents or "
@@ -239,11 +239,8 @@ class ProductionStream:
     def __init__(self, store: Store, *, state_path: str | Path, served_name: str = "policy", min_new: int = 32,
                  max_policy_lag: int = 2, reward_name: str = "reward", credit: str = "final", level: str = "call",
                  agents: Any = None, temperature: float = 1.0, interval: float = 10.0) -> None:
-        if isinstance(min_new, bool) or not isinstance(min_new, int) or min_new < 1:
-            raise ConfigurationError(f"min_new must be an int >= 1 (fresh rollouts per update), got {min_new!r}")
-        if isinstance(max_policy_lag, bool) or not isinstance(max_policy_lag, int) or max_policy_lag < 0:
-            raise ConfigurationError(f"max_policy_lag must be an int >= 0 (versions a rollout may be behind), "
-                                     f"got {max_policy_lag!r}")
+        check_int(min_new, "min_new", minimum=1, meaning="fresh rollouts per update")
+        check_int(max_policy_lag, "max_policy_lag", meaning="versions a rollout may be behind")
         self.store, self.served_name, self.min_new, self.max_policy_lag = store, served_name, min_new, max_policy_lag
         self.reward_name, self.credit, self.level, self.agents = reward_name, credit, level, agents
         self.temperature, self.interval = temperature, interval

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ConfigurationError
+from ..settings import DEFAULT_STORE, ENV_STORE
 
 SUPPORTED = (">=0.9", "<0.10")
 CONFIG_DIR = Path(__file__).with_name("verl_config")
@@ -82,7 +83,7 @@ def _nodes(overrides: Sequence[str]) -> int:
 def verl_command(agent: str, overrides: Sequence[str] = (), *, store: str | None = None) -> list[str]:
     if ":" not in agent:
         raise ConfigurationError(f"--agent must be module:function of a traced agent, got {agent!r}")
-    target = store or os.environ.get("LIGHTNING_RL_STORE") or "sqlite:///lightning_rl.db"
+    target = store or os.environ.get(ENV_STORE) or DEFAULT_STORE
     if _nodes(overrides) > 1 and not target.startswith(("http://", "https://")):
         raise ConfigurationError(
             f"a run on {_nodes(overrides)} nodes needs a store every node can write, but {target!r} is a SQLite "

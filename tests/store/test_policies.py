@@ -32,8 +32,8 @@ def test_publishes_are_recorded_and_the_latest_one_is_live(store):
     assert store.latest_policies()["critic"].time == 15.0
 
 
-@pytest.mark.parametrize("name, version, fix", [("", 1, "served_name"), ("policy", -1, "non-negative"),
-                                                 ("policy", True, "non-negative"), (None, 1, "served_name")])
+@pytest.mark.parametrize("name, version, fix", [("", 1, "served_name"), ("policy", -1, "an int >= 0"),
+                                                 ("policy", True, "an int >= 0"), (None, 1, "served_name")])
 def test_a_bad_publish_is_refused_by_name(store, name, version, fix):
     store.record_policy("policy", 3)
     with pytest.raises(ConfigurationError, match=fix):

@@ -237,7 +237,7 @@ def test_the_gateways_records_share_their_history_too(traced):
     """An agent in another language, through the gateway: its growing conversation is stored once as well."""
     from lightning_rl.gateway import BackgroundGateway
     from lightning_rl.store.server import ServerThread
-    from tests.test_gateway_upstreams import fake_engine
+    from tests.gateway.test_upstreams import fake_engine
 
     engine = ServerThread(fake_engine("a", []), name="fake-engine")
     engine.start("a fake engine")

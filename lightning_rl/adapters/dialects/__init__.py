@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import anthropic, chat, responses
-from .chat import TranslationError
+from ...errors import TranslationError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from .chat import TranslationError
+from ...errors import TranslationError
 
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}

@@ -8,10 +8,6 @@ from typing import Any
 import orjson
 
 
-class TranslationError(ValueError):
-    """A request that chat completions cannot carry (answered 400, naming what it cannot carry)."""
-
-
 def strip(obj: dict[str, Any], injected: tuple[str, ...]) -> dict[str, Any]:
     """An engine's answer (or stream chunk) less the token fields we asked for and the client did not."""
     if not injected:

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from .chat import TranslationError
+from ...errors import TranslationError
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")

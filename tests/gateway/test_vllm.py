@@ -14,7 +14,7 @@ from lightning_rl.gateway import BackgroundGateway
 from lightning_rl.records import RolloutStatus
 from lightning_rl.tracer import tracing
 
-from .conftest import SERVED_NAME
+from ..conftest import SERVED_NAME
 
 pytestmark = [pytest.mark.vllm]
 

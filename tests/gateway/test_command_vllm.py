@@ -20,10 +20,10 @@ from lightning_rl.tracer import tracing
 from lightning_rl.trainer_bridge.local import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
 
-from .conftest import SERVED_NAME, ensure_tiny_model
+from ..conftest import SERVED_NAME, ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm]
-NODE_AGENT = Path(__file__).resolve().parent.parent / "examples" / "gateway_node" / "agent.mjs"
+NODE_AGENT = Path(__file__).resolve().parents[2] / "examples" / "gateway_node" / "agent.mjs"
 needs_node = pytest.mark.skipif(
     shutil.which("node") is None or not (NODE_AGENT.parent / "node_modules" / "openai").is_dir(),
     reason="Node.js and the npm packages of examples/gateway_node (make node-deps)")

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from lightning_rl.gateway.upstream import Upstream, UpstreamError  # noqa: E402
+from lightning_rl.errors import UpstreamError  # noqa: E402
+from lightning_rl.gateway.upstream import Upstream  # noqa: E402
 
 BODY = b'{"model": "m"}'
 

@@ -11,7 +11,7 @@ import pytest
 from lightning_rl import semconv
 from lightning_rl.gateway import BackgroundGateway
 
-from .conftest import SERVED_NAME
+from ..conftest import SERVED_NAME
 
 pytestmark = [pytest.mark.vllm]
 SYSTEM = "You answer arithmetic questions."

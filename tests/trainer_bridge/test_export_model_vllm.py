@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from lightning_rl.cli import main
 from lightning_rl.vllm_server import VLLMServer
 
-from .conftest import ensure_tiny_model
+from ..conftest import ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "What is 12+7? The answer is"

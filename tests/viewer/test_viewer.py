@@ -17,11 +17,11 @@ from lightning_rl import semconv
 from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus, Span, SpanTokens
 from lightning_rl.store.sqlite_store import SQLiteStore
 
-from .conftest import ensure_tiny_model
+from ..conftest import ensure_tiny_model
 
 pytest.importorskip("fastapi")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DOCS_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
                                            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                                                           "required": ["expression"]}}}]
