@@ -509,9 +509,10 @@ def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: f
 
     Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --port 8765 --token $TOKEN
     """
-    from .store.server import check_bind, serve
+    from .serving import STORE_SERVER, check_bind
+    from .store.server import serve
 
-    check_bind(host, token)
+    check_bind(STORE_SERVER, host, token)
     click.echo(f"serving {db} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
     serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
           workers=workers, synchronous=synchronous)
@@ -631,9 +632,10 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
     Example: lightning-rl gateway --upstream http://127.0.0.1:8000 --store runs.db --port 8400
     """
     from . import _api
-    from .gateway import Gateway, check_bind, serve
+    from .gateway import Gateway, serve
+    from .serving import GATEWAY, check_bind
 
-    check_bind(host, token)
+    check_bind(GATEWAY, host, token)
     proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
     _api.configure(store=_open(store))
     click.echo(f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True)
@@ -657,9 +659,10 @@ def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host
 
     Example: lightning-rl view --store runs.db --metrics .cache/demo-rl --tokenizer .cache/tiny-qwen2
     """
-    from .viewer.app import check_bind, serve
+    from .serving import VIEWER, check_bind
+    from .viewer.app import serve
 
-    check_bind(host, token)
+    check_bind(VIEWER, host, token)
     opened = _open(store, read_only=True)  # the viewer never writes: no migration, no spill replay
     click.echo(f"viewer on http://{host}:{port} over {opened.url} (read-only)", err=True)
     serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token)

@@ -1,6 +1,6 @@
 """Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
 
-bottom (records, errors, semconv, settings, diagnostics, boundaries, registry) <- tracer <- adapters; bottom <- store;
+bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving) <- tracer <- adapters; bottom <- store;
 tracer, adapters and store <- gateway; store and trainer_bridge <- viewer; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
 functions count too: a lazy import still runs against the flow.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_rl"
-BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries", "registry"}
+BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries", "registry", "serving"}
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {

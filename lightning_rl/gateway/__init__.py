@@ -7,10 +7,10 @@ the engines (captured by ``adapters/capture.py``, in the dialects of ``adapters/
 spans; ``app.py`` serves it all; ``command.py`` is ``lrl.command``.
 """
 
-from .app import BackgroundGateway, check_bind, create_app, serve
+from .app import BackgroundGateway, create_app, serve
 from ..errors import CommandFailed, GatewayError
 from .command import command, local_gateway
 from .proxy import Gateway
 
-__all__ = ["BackgroundGateway", "CommandFailed", "Gateway", "GatewayError", "check_bind", "command", "create_app",
+__all__ = ["BackgroundGateway", "CommandFailed", "Gateway", "GatewayError", "command", "create_app",
            "local_gateway", "serve"]

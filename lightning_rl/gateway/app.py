@@ -17,6 +17,7 @@ from ..adapters.dialects.chat import error as openai_error
 from ..boundaries import json_problem, message_problems
 from ..diagnostics import report_failure
 from ..errors import ConfigurationError, GatewayError, OTLPDecodeError, OTLPTooLarge, TranslationError, UpstreamError
+from ..serving import GATEWAY, BackgroundService, check_bind, run
 from . import otlp
 from .forwarding import Relay
 from .proxy import Gateway
@@ -303,43 +304,20 @@ class _CallFront:
         return 200, dialect.from_chat(data, body)
 
 
-def check_bind(host: str, token: str | None) -> None:
-    from ..store.serving import is_loopback
-
-    if not token and not is_loopback(host):
-        raise ConfigurationError(f"binding the gateway to {host!r} exposes it beyond this machine; give it a "
-                                 "token (--token or LIGHTNING_RL_GATEWAY_TOKEN), or bind to 127.0.0.1")
-
-
-class BackgroundGateway:
+class BackgroundGateway(BackgroundService):
     """The gateway on a thread of this process (tests, notebooks). Port 0 picks a free port."""
 
     def __init__(self, upstreams: list[str], *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  **options: Any) -> None:
-        from ..store.serving import ServerThread
-
-        check_bind(host, token)
+        check_bind(GATEWAY, host, token)  # before the gateway is built
         self.gateway = Gateway(upstreams, token=token, **options)
-        self._thread = ServerThread(create_app(self.gateway), host=host, port=port, name="lightning-rl-gateway")
-        self.port, self.url = self._thread.port, self._thread.url
-
-    def __enter__(self) -> BackgroundGateway:
-        self._thread.start("the gateway")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.stop()
+        super().__init__(GATEWAY, create_app(self.gateway), host=host, port=port, token=token)
 
 
 def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_level: str = "warning") -> None:
     """Run the gateway until interrupted (one process: its open rollouts live in memory)."""
-    import uvicorn
-
-    from ..store.serving import uvicorn_options
-
-    check_bind(host, gateway.token)
-    uvicorn.run(create_app(gateway), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                **uvicorn_options())
+    run(GATEWAY, create_app(gateway), host=host, port=port, token=gateway.token, log_level=log_level,
+        timeout_graceful_shutdown=10)
 
 
-__all__ = ["AGENT_HEADER", "BackgroundGateway", "check_bind", "create_app", "serve"]
+__all__ = ["AGENT_HEADER", "BackgroundGateway", "create_app", "serve"]

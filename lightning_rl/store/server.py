@@ -42,7 +42,7 @@ from ..records import PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollo
 from ..settings import ENV_SERVER_WORKER, check_synchronous
 from . import wire
 from .base import Store
-from .serving import ServerThread, is_loopback, uvicorn_options
+from ..serving import STORE_SERVER, BackgroundService, run
 
 DEFAULT_MAX_BODY = 64 * 2**20
 OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
@@ -391,14 +391,6 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     return _Guard(app, token, max_body_bytes), app
 
 
-def check_bind(host: str, token: str | None) -> None:
-    if not token and not is_loopback(host):
-        raise ConfigurationError(
-            f"binding to {host!r} exposes the store beyond this machine; give it a token "
-            "(--token or LIGHTNING_RL_STORE_TOKEN), or bind to 127.0.0.1"
-        )
-
-
 
 
 def _worker_app() -> Any:
@@ -428,39 +420,34 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
     same SQLite file (WAL: one write transaction at a time, parsing in parallel). ``synchronous``:
     ``full`` (default) fsyncs each commit, so an acknowledged batch survives a power loss (group
     commit spreads the fsync over every batch in the transaction); ``normal`` survives a killed server."""
-    import uvicorn
-
+    from ..serving import check_bind
     from .sqlite_store import SQLiteStore
 
-    check_bind(host, token)
+    check_bind(STORE_SERVER, host, token)  # before the file is touched
     SQLiteStore(db).close()  # create and migrate once, refusing foreign files before any worker starts
     os.environ[ENV_SERVER_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
                                           "synchronous": check_synchronous(synchronous)})
-    uvicorn.run(f"{__name__}:_worker_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level, timeout_graceful_shutdown=10, **uvicorn_options())
+    run(STORE_SERVER, f"{__name__}:_worker_app", host=host, port=port, token=token, log_level=log_level,
+        factory=True, workers=workers, timeout_graceful_shutdown=10)
 
 
-class BackgroundServer:
-    """The server on a thread of this process (tests, notebooks, one-process set-ups).
+class BackgroundServer(BackgroundService):
+    """The server on a thread of this process (tests, notebooks, one-process set-ups); it owns its store.
 
     ``with BackgroundServer("runs.db") as srv: open_store(srv.url)``. Port 0 picks a free port."""
 
     def __init__(self, db: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  store_options: dict[str, Any] | None = None) -> None:
+        from ..serving import check_bind
         from .sqlite_store import SQLiteStore
 
+        check_bind(STORE_SERVER, host, token)  # before the file is opened
         self.store = SQLiteStore(db, **(store_options or {}))
         guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes)
-        self._thread = ServerThread(guarded, host=host, port=port, name="lightning-rl-store-server")
-        self.port, self.url = self._thread.port, self._thread.url
+        super().__init__(STORE_SERVER, guarded, host=host, port=port, token=token)
 
-    def __enter__(self) -> "BackgroundServer":
-        self._thread.start("the store server")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.stop()
+    def close(self) -> None:
         self.store.close()
 
 
@@ -472,4 +459,4 @@ def openapi_schema() -> str:
     return json.dumps(app.openapi(), indent=2)
 
 
-__all__ = ["BackgroundServer", "ServerThread", "create_app", "serve", "openapi_schema", "is_loopback"]
+__all__ = ["BackgroundServer", "create_app", "serve", "openapi_schema"]

@@ -37,6 +37,7 @@ from typing import Any
 from ..boundaries import INT64_MAX, header_secret, secret_matches
 from ..errors import ConfigurationError, RolloutNotFoundError
 from ..records import RolloutQuery
+from ..serving import VIEWER, BackgroundService, check_bind, run
 from ..store.samples import trajectory_samples
 from ..trainer_bridge.loggers import staleness_mean
 from . import pages
@@ -64,14 +65,6 @@ SECURITY_HEADERS = {
 def session_value(token: str) -> str:
     """What the session cookie holds: an HMAC of the token, so the cookie never carries the token."""
     return hmac.new(token.encode("utf-8", "surrogatepass"), b"lightning-rl viewer session", hashlib.sha256).hexdigest()
-
-
-def check_bind(host: str, token: str | None) -> None:
-    from ..store.serving import is_loopback
-
-    if not token and not is_loopback(host):
-        raise ConfigurationError(f"binding the viewer to {host!r} shows your rollouts beyond this machine; give it "
-                                 "a token (--token or LIGHTNING_RL_VIEW_TOKEN), or bind to 127.0.0.1")
 
 
 def token_decoder(tokenizer_dir: str | Path | None) -> Callable[[Sequence[int]], list[str] | None]:
@@ -299,30 +292,15 @@ def _grpo(rewards: Sequence[float | None]) -> list[float | None]:
 
 def serve(store: Any, *, host: str = "127.0.0.1", port: int = 8500, metrics_dir: str | Path | None = None,
           tokenizer: str | Path | None = None, token: str | None = None, log_level: str = "warning") -> None:
-    import uvicorn
-
-    check_bind(host, token)
-    from ..store.serving import uvicorn_options
-
-    uvicorn.run(create_app(store, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token), host=host, port=port,
-                log_level=log_level, **uvicorn_options())
+    check_bind(VIEWER, host, token)  # before the app is built
+    run(VIEWER, create_app(store, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token), host=host, port=port,
+        token=token, log_level=log_level)
 
 
-class BackgroundViewer:
+class BackgroundViewer(BackgroundService):
     """The viewer on a thread of this process (tests, notebooks). Port 0 picks a free port."""
 
     def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  **options: Any) -> None:
-        from ..store.serving import ServerThread
-
-        check_bind(host, token)
-        self._thread = ServerThread(create_app(store, token=token, **options), host=host, port=port,
-                                    name="lightning-rl-viewer")
-        self.port, self.url = self._thread.port, self._thread.url
-
-    def __enter__(self) -> BackgroundViewer:
-        self._thread.start("the viewer")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.stop()
+        check_bind(VIEWER, host, token)  # before the app is built
+        super().__init__(VIEWER, create_app(store, token=token, **options), host=host, port=port, token=token)

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lightning_rl.store.serving import ServerThread
+from lightning_rl.serving import ServerThread
 
 CONTEXT_ERROR = ("This model's maximum context length is 2048 tokens. However, you requested 4096 tokens "
                  "(4000 in the messages, 96 in the completion). Please reduce the length of the messages.")

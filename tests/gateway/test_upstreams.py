@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from lightning_rl.gateway import BackgroundGateway
-from lightning_rl.store.server import ServerThread
+from lightning_rl.serving import ServerThread
 
 pytest.importorskip("fastapi")
 from fastapi import FastAPI, Request  # noqa: E402 (module level: the route's annotations are strings)

@@ -21,7 +21,8 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.records import Rollout, RolloutStatus
 from lightning_rl.store.http_store import HttpStore
-from lightning_rl.store.server import BackgroundServer, check_bind
+from lightning_rl.serving import STORE_SERVER, check_bind
+from lightning_rl.store.server import BackgroundServer
 
 from .helpers import llm_span
 
@@ -77,11 +78,11 @@ def test_token_is_required_and_checked(server):
 
 
 def test_binding_beyond_loopback_needs_a_token():
-    check_bind("127.0.0.1", None)
-    check_bind("::1", None)
-    check_bind("0.0.0.0", "t")
+    check_bind(STORE_SERVER, "127.0.0.1", None)
+    check_bind(STORE_SERVER, "::1", None)
+    check_bind(STORE_SERVER, "0.0.0.0", "t")
     with pytest.raises(lrl.ConfigurationError, match="give it a token"):
-        check_bind("0.0.0.0", None)
+        check_bind(STORE_SERVER, "0.0.0.0", None)
 
 
 def test_a_batch_is_written_once_however_often_it_is_sent(server, http):

@@ -236,7 +236,7 @@ def test_an_agent_loop_through_the_openai_client_stores_its_history_once(tmp_pat
 def test_the_gateways_records_share_their_history_too(traced):
     """An agent in another language, through the gateway: its growing conversation is stored once as well."""
     from lightning_rl.gateway import BackgroundGateway
-    from lightning_rl.store.server import ServerThread
+    from lightning_rl.serving import ServerThread
     from tests.gateway.test_upstreams import fake_engine
 
     engine = ServerThread(fake_engine("a", []), name="fake-engine")

@@ -149,10 +149,10 @@ def test_token_is_required_beyond_loopback_and_checked(tmp_path):
 
     from lightning_rl.errors import ConfigurationError
     from lightning_rl.viewer import BackgroundViewer
-    from lightning_rl.viewer.app import check_bind
+    from lightning_rl.serving import VIEWER, check_bind
 
-    with pytest.raises(ConfigurationError, match="--token"):
-        check_bind("0.0.0.0", None)
+    with pytest.raises(ConfigurationError, match="--token or LIGHTNING_RL_VIEW_TOKEN"):
+        check_bind(VIEWER, "0.0.0.0", None)
     store = SQLiteStore(tmp_path / "s.db")
     with BackgroundViewer(store, token="s3cret") as viewer:
         assert httpx.get(viewer.url + "/").status_code == 401

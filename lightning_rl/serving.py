@@ -1,11 +1,17 @@
-"""Serving an ASGI app with uvicorn, for the store server, the gateway and the viewer alike.
+"""The HTTP services of lightning-rl (the store server, the gateway, the viewer) are served one way.
 
-* :class:`ServerThread`: an app on a thread of this process, on a socket bound at construction.
-* :data:`HEADER_TIMEOUT`: a connection that has not sent a whole request head (request line and
-  headers) this many seconds after it opened, or after its previous answer, is closed. uvicorn has a
-  keep-alive timeout but none for a head that never ends, so 200 connections sending one header byte
-  a minute would be held open for ever (a slow-headers attack). :func:`uvicorn_options` puts the
-  protocol that enforces it into every server we start.
+* :class:`Service`: what a service is called and which variable holds its token, for the one rule of
+  :func:`check_bind`: bound beyond loopback, a service needs a token.
+* :func:`run`: serve an ASGI app in this process until interrupted (uvicorn), after that check, with the
+  options every service of ours takes (:func:`uvicorn_options`).
+* :class:`BackgroundService`: an app on a thread of this process (tests, notebooks, one-process set-ups), on
+  a socket bound at construction so ``port`` and ``url`` are known before it starts; a context manager.
+  :class:`ServerThread` is the thread alone, for apps that are not services of ours (fake engines in tests).
+* :data:`HEADER_TIMEOUT`: a connection that has not sent a whole request head (request line and headers)
+  this many seconds after it opened, or after its previous answer, is closed. uvicorn has a keep-alive
+  timeout but none for a head that never ends, so 200 connections sending one header byte a minute would
+  be held open for ever (a slow-headers attack). :func:`uvicorn_options` puts the protocol that enforces it
+  into every server we start.
 """
 
 from __future__ import annotations
@@ -13,12 +19,27 @@ from __future__ import annotations
 import ipaddress
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StoreError
+from .errors import ConfigurationError, StoreError
+from .settings import ENV_GATEWAY_TOKEN, ENV_STORE_TOKEN, ENV_VIEW_TOKEN
 
-#: Seconds a connection may take to send a whole request head (``LIGHTNING_RL_*`` servers).
+#: Seconds a connection may take to send a whole request head (every server of ours).
 HEADER_TIMEOUT = 10.0
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """One of our HTTP services: how messages name it, what it would expose, where its token comes from."""
+
+    name: str
+    exposes: str
+    token_variable: str
+
+
+STORE_SERVER = Service("the store server", "the store", ENV_STORE_TOKEN)
+GATEWAY = Service("the gateway", "the gateway and its engines", ENV_GATEWAY_TOKEN)
+VIEWER = Service("the viewer", "your rollouts", ENV_VIEW_TOKEN)
 
 
 def is_loopback(host: str) -> bool:
@@ -28,6 +49,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def check_bind(service: Service, host: str, token: str | None) -> None:
+    """Bound beyond loopback, a service needs a token: otherwise a :class:`ConfigurationError` saying how."""
+    if not token and not is_loopback(host):
+        raise ConfigurationError(f"binding {service.name} to {host!r} exposes {service.exposes} beyond this machine; "
+                                 f"give it a token (--token or {service.token_variable}), or bind to 127.0.0.1")
 
 
 try:
@@ -126,4 +154,40 @@ class ServerThread:
         self._socket.close()
 
 
-__all__ = ["HEADER_TIMEOUT", "ServerThread", "is_loopback", "uvicorn_options"]
+
+def run(service: Service, app: Any, *, host: str, port: int, token: str | None, log_level: str = "warning",
+        **uvicorn_kwargs: Any) -> None:
+    """Serve ``app`` (or, with uvicorn's ``factory=True``, the import string of a factory) in this process
+    until interrupted, after :func:`check_bind`."""
+    import uvicorn
+
+    check_bind(service, host, token)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **{**uvicorn_options(), **uvicorn_kwargs})
+
+
+class BackgroundService:
+    """``app`` served on a thread of this process, after :func:`check_bind`; ``with`` starts and stops it.
+    Port 0 picks a free port. Subclasses add what they own (a store to close) in ``close``."""
+
+    def __init__(self, service: Service, app: Any, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, header_timeout: float = HEADER_TIMEOUT) -> None:
+        check_bind(service, host, token)
+        self.service = service
+        self._thread = ServerThread(app, host=host, port=port, name=f"lightning-rl {service.name}",
+                                    header_timeout=header_timeout)
+        self.port, self.url = self._thread.port, self._thread.url
+
+    def __enter__(self):
+        self._thread.start(self.service.name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.stop()
+        self.close()
+
+    def close(self) -> None:
+        """What the service owns beyond its thread (nothing here)."""
+
+
+__all__ = ["GATEWAY", "HEADER_TIMEOUT", "STORE_SERVER", "VIEWER", "BackgroundService", "ServerThread", "Service",
+           "check_bind", "is_loopback", "run", "uvicorn_options"]
