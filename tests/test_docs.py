@@ -12,6 +12,7 @@ that cites nothing must be in one of the pages. Formatting is not compared (thin
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -168,7 +169,8 @@ def test_every_figure_the_readme_quotes_is_in_the_page_it_cites():
 def test_each_benchmarks_row_of_the_readme_names_its_section_date_and_command():
     benchmarks = sections("docs/benchmarks.md")
     table = readme().split("\n## Benchmarks", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| target", "| ---"))]
+    rows = [line for line in table.splitlines() if line.startswith("| ")
+            and not line.startswith(("| target", "| ---"))]
     assert len(rows) >= 7
     for row in rows:
         q = quote(row, in_table=True)
@@ -211,7 +213,9 @@ MAKE = shutil.which("make")
 
 def make_plan(target: str) -> str:
     """What `make TARGET` would run on a fresh clone (every file out of date), without running it."""
-    return subprocess.run([MAKE, "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under make test
+    return subprocess.run([MAKE, "-n", "-B", target], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True).stdout
 
 
 @pytest.mark.skipif(MAKE is None, reason="needs make")
