@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   -- runs the main demo end to end
-#   make test   -- creates the environments and runs every test suite
+#   make demo   -- builds what the demo uses (.venv, .venv-vllm, the tiny model) and runs the main demo end to end
+#   make test   -- creates every environment (chromium and the Node.js packages too) and runs every test suite
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
@@ -97,26 +97,30 @@ test-other-seed: all venv-verl venv-frameworks
 soak: venv
 	LIGHTNING_RL_SOAK_SECONDS=300 $(PY) -m pytest -q -s tests/reliability/test_soak.py
 
-demo: all
+# The demos build only what they use: the main environment, vLLM's and the tiny model (not chromium, which
+# only the viewer's browser test needs; the Node.js packages only for demo-gateway).
+DEMO_DEPS := venv venv-vllm model
+
+demo: $(DEMO_DEPS)
 	$(PY) examples/calculator_rl/train.py --model-dir $(MODEL_DIR)
 
 # SFT on the base model's good traces, then GRPO, on the calculator task (issue 19).
-demo-sft: all
+demo-sft: $(DEMO_DEPS)
 	$(PY) examples/calculator_rl/sft_then_rl.py --model-dir $(MODEL_DIR)
 
 # The team demo: a planner and a solver, a LoRA policy each, one shared reward (DEMO_ARGS=--shared: one policy).
-demo-team: all
+demo-team: $(DEMO_DEPS)
 	$(PY) examples/team_rl/train.py --model-dir $(MODEL_DIR) $(DEMO_ARGS)
 
 # The calculator demo with its agent in Node.js (the openai npm package), trained through the gateway.
-demo-gateway: all
+demo-gateway: $(DEMO_DEPS) node-deps
 	$(PY) examples/gateway_node/train.py --model-dir $(MODEL_DIR) $(DEMO_ARGS)
 
 # Continuous training from simulated production traffic (rewards from user feedback, some late, some never).
-demo-continuous: all
+demo-continuous: $(DEMO_DEPS)
 	$(PY) examples/continuous/simulate.py --model-dir $(MODEL_DIR) $(DEMO_ARGS)
 
-demo-spine: all
+demo-spine: $(DEMO_DEPS)
 	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
 
 bench: all venv-peer

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The spine, end to end: a traced agent calls a real vLLM server; its trajectories are on disk.
 
-1. Creates the tiny model (scripts/make_tiny_model.py) if it is missing and serves it with vLLM (CPU).
+1. Creates the tiny model (`make model`: scripts/make_tiny_model.py) if it is missing and serves it with vLLM (CPU).
 2. Runs a two-turn calculator agent (plain OpenAI client) under @lrl.trace, sync and async:
    the model answers, the agent feeds back a calculator result, the model answers again,
    and the agent returns 1.0 when the final answer contains the right number.
@@ -9,8 +9,10 @@
    does, and exports trajectory-level training samples as JSON lines.
 4. Ends with one JSON line (rollouts, llm_calls, samples, token-id coverage, minutes, peak RSS).
 
-The tiny model has random weights, so its answers are noise: the point is what is captured.
-Run: make demo    (or: python examples/spine_demo.py --model-dir .cache/tiny-qwen2)
+The tiny model is warm-started (scripts/make_tiny_model.py trains it on synthetic calculator conversations, so it
+knows the tool-call format), not trained for this two-turn exchange: the point is what is captured, not what it
+answers (`make demo` trains it with RL).
+Run: make demo-spine    (or: python examples/spine_demo.py --model-dir .cache/tiny-qwen2)
 """
 
 from __future__ import annotations
