@@ -122,7 +122,7 @@ def test_the_settings_are_keyword_only_checked_and_never_rewritten(sqlite_store,
     common = dict(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
                   out_dir=tmp_path)
     with pytest.raises(TypeError):
-        Trainer(lambda t: 1.0, [{}], sqlite_store, "unused", "http://x:1")  # noqa: the old positional form
+        Trainer(lambda t: 1.0, [{}], sqlite_store, "unused", "http://x:1")  # the old positional form
     for bad, message in [(dict(n=True), r"Trainer.n must be an int, got True \(tries per task"),
                          (dict(steps=0), "Trainer.steps must be an int >= 1, got 0"),
                          (dict(level="turn"), "Trainer.level must be one of 'call' or 'trajectory', got 'turn'"),

@@ -16,7 +16,8 @@ pytest.importorskip("peft")
 
 
 def _backend(**kw):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     return LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-3), seed=0, device="cpu", **kw)
 
@@ -50,7 +51,8 @@ def test_each_policy_trains_as_its_own_backend_and_leaves_the_other_alone():
 
 
 def test_a_policy_with_its_own_learning_rate_trains_as_a_backend_with_that_rate():
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     alone = LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-4), seed=0, device="cpu")
     team = LocalBackend(
@@ -70,7 +72,8 @@ def test_a_policy_with_its_own_learning_rate_trains_as_a_backend_with_that_rate(
     ({"solver": {"lr": "fast"}}, "policy_config['solver'].lr must be a number, got 'fast'"),
     (1e-4, "policy_config must be a mapping, got 0.0001 (its keys are served names")])
 def test_a_learning_rate_for_an_unknown_policy_or_not_a_rate_is_refused(policy_config, named):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     with pytest.raises(ConfigurationError, match="policy_config") as info:
         LocalBackend(ensure_tiny_model(), LocalConfig(policy_config=policy_config), seed=0, device="cpu",
@@ -79,7 +82,7 @@ def test_a_learning_rate_for_an_unknown_policy_or_not_a_rate_is_refused(policy_c
 
 
 def test_a_rate_is_set_one_way():
-    from lightning_rl.trainer_bridge.local import LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
 
     with pytest.raises(ConfigurationError, match=r"LocalConfig.policy_lr is not a setting of LocalConfig \(got "
                                                  r"\{'solver': 0.0002\}\); its settings are: lr, policy_config"):
@@ -87,7 +90,8 @@ def test_a_rate_is_set_one_way():
 
 
 def test_a_policy_with_its_own_config_trains_as_a_backend_with_that_config():
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     own = {"lr": 5e-4, "mini_batch_size": 4, "clip_ratio": 0.1}
     alone = LocalBackend(ensure_tiny_model(), LocalConfig(**own), seed=0, device="cpu")
@@ -117,7 +121,8 @@ def test_a_policy_with_its_own_config_trains_as_a_backend_with_that_config():
 ])
 def test_a_policy_config_that_cannot_apply_is_refused(config, named):
     from lightning_rl.errors import LightningRLError
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     with pytest.raises(LightningRLError, match="policy_config|advantage estimator") as info:
         LocalBackend(ensure_tiny_model(), LocalConfig(**config), seed=0, device="cpu", policies=["planner", "solver"])

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import lightning_rl as lrl
 from lightning_rl.cli import main as cli
 from lightning_rl.tracer import current_rollout, tracing
-from lightning_rl.trainer_bridge.local import LocalConfig
+from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
 
 from ..conftest import ensure_tiny_model

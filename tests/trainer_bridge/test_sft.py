@@ -7,7 +7,8 @@ import json
 import pytest
 
 from lightning_rl.errors import ConfigurationError
-from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig, build_batch, load_adapter
+from lightning_rl.trainer_bridge.config import LocalConfig
+from lightning_rl.trainer_bridge.local import LocalBackend, build_batch, load_adapter
 from lightning_rl.trainer_bridge.sft import sft_samples
 from lightning_rl.trainer_bridge.trainer import Trainer
 

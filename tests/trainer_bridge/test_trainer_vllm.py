@@ -9,7 +9,7 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.tracer import tracing
-from lightning_rl.trainer_bridge.local import LocalConfig
+from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
 
 from ..conftest import ensure_tiny_model
