@@ -88,12 +88,19 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
 
     solve = load_agent(agent)
     tasks, held_out = read_tasks(tasks_path), read_tasks(eval_path) if eval_path else []
-    opened = _api.configure(store=store) if store else _api.configure()  # the agent's spans go where fit reads
-    trainer = Trainer(agent=solve, tasks=tasks, eval_tasks=held_out, store=opened, model_dir=model_dir,
-                      server_url=server_url, served_name=served_name, policies=policy_map(policies) or None,
-                      out_dir=out, n=n, tasks_per_step=tasks_per_step, steps=steps, credit=credit, level=level,
-                      concurrency=concurrency, overlap=overlap, max_staleness=max_staleness, init_adapter=init_adapter,
-                      seed=seed, local=LocalConfig(lr=lr, temperature=temperature), loggers=list(loggers))
+    team = policy_map(policies) or None
+    opened = open_store(store)
+    try:
+        trainer = Trainer(agent=solve, tasks=tasks, eval_tasks=held_out, store=opened, model_dir=model_dir,
+                          server_url=server_url, served_name=served_name, policies=team, out_dir=out, n=n,
+                          tasks_per_step=tasks_per_step, steps=steps, credit=credit, level=level,
+                          concurrency=concurrency, overlap=overlap, max_staleness=max_staleness,
+                          init_adapter=init_adapter, seed=seed, local=LocalConfig(lr=lr, temperature=temperature),
+                          loggers=list(loggers))
+    except BaseException:
+        opened.close()
+        raise
+    _api.configure(store=opened)  # the agent's spans go to the store fit reads
     result = trainer.fit()
     opened.flush()
     trained = [x for x in result.history if "train_reward" in x]
