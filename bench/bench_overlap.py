@@ -52,10 +52,7 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
 
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.tracer import tracing  # noqa: E402
-from lightning_rl.trainer_bridge.local import LocalConfig  # noqa: E402
 from lightning_rl.trainer_bridge.publishers import _post  # noqa: E402
-from lightning_rl.trainer_bridge.trainer import Trainer  # noqa: E402
-from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 from train import make_agent as calculator_agent  # noqa: E402
 from train import make_tasks  # noqa: E402
 
@@ -88,10 +85,10 @@ def run_once(mode: str, seed: int, args, server_url: str, out: Path) -> dict:
     tasks = make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
     latency = (args.tool_median, args.tool_min, args.tool_max)
     overlap = mode == "overlap"
-    trainer = Trainer(agent=make_agent(client, "policy", 1.0, latency), tasks=tasks, store=store,
+    trainer = lrl.Trainer(agent=make_agent(client, "policy", 1.0, latency), tasks=tasks, store=store,
                       model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
                       tasks_per_step=args.tasks_per_step, steps=args.steps, concurrency=args.concurrency,
-                      local=LocalConfig(lr=args.lr), seed=seed, progress=False, overlap=overlap,
+                      local=lrl.LocalConfig(lr=args.lr), seed=seed, progress=False, overlap=overlap,
                       max_staleness=args.max_staleness if overlap else 0)
     started = time.time()
     result = trainer.fit()
@@ -172,7 +169,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
-    with VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16, max_loras=2,
+    with lrl.VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16, max_loras=2,
                     log_path=out / "vllm.log") as server:
         warm = out / "warm-up"  # the server's first LoRA requests are slow: paid here, by neither run
         shutil.rmtree(warm, ignore_errors=True)

@@ -61,7 +61,8 @@ def one_process(model_dir: str, n: int, updates: int, threshold: int | None, tri
     import random
 
     from lightning_rl.records import Sample
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     rng = random.Random(0)
     samples = [Sample(prompt_ids=[rng.randrange(5, 90) for _ in range(48)],

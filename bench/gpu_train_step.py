@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning_rl.records import Sample  # noqa: E402
-from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig  # noqa: E402
+from lightning_rl.trainer_bridge.config import LocalConfig  # noqa: E402
+from lightning_rl.trainer_bridge.local import LocalBackend  # noqa: E402
 
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 

@@ -31,7 +31,6 @@ import openai
 
 import lightning_rl as lrl
 from lightning_rl.cli import main as cli
-from lightning_rl.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +90,7 @@ def main() -> None:
     server = None
     if args.base_url is None:
         print(f"starting vLLM (CPU) on {args.model_dir} ...", flush=True)
-        server = VLLMServer(model=args.model_dir, served_name=args.model, log_path=out / "vllm.log").start()
+        server = lrl.VLLMServer(model=args.model_dir, served_name=args.model, log_path=out / "vllm.log").start()
         base_url = server.base_url
         print(f"vLLM ready at {base_url} in {time.time() - started:.0f}s", flush=True)
     else:

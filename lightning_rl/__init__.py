@@ -3,7 +3,16 @@
 Decorate an agent's entry function with ``@trace``; every LLM call inside it (OpenAI client,
 LangChain, AutoGen) is captured with the serving engine's token ids and logprobs, stored durably
 (SQLite by default), and assembled into trajectories with rewards, ready for training.
+
+What a training script needs is here too, loaded on first use (``import lightning_rl`` loads neither
+torch nor the trainer bridge): ``Trainer`` and ``LocalConfig`` (train over a task set, ``fit`` returning a
+``TrainResult``), ``ContinuousTrainer`` (from production traffic), ``replay`` and ``StoredGroups`` (train
+on a stored run), ``GroupJudge`` (reward what the agent leaves unrewarded), ``VLLMServer`` (serve the model
+with LoRA hot-loading on this machine) and ``plot_metrics``.
 """
+
+from importlib import import_module as _import_module
+from typing import Any as _Any
 
 from ._api import command, configure, flush, open_store, set_policy_version, stats
 from .adapters import install as _instrument_frameworks
@@ -39,15 +48,45 @@ from .tracer import agent_scope, current_endpoint, current_rollout_id, emit_rewa
 
 __version__ = "0.1.0"
 
+#: Public names loaded on first use: name -> the module that defines it.
+_LAZY = {
+    "ContinuousTrainer": "lightning_rl.trainer_bridge.continuous",
+    "GroupJudge": "lightning_rl.judge",
+    "LocalConfig": "lightning_rl.trainer_bridge.config",
+    "StoredGroups": "lightning_rl.trainer_bridge.sources",
+    "TrainResult": "lightning_rl.trainer_bridge.trainer",
+    "Trainer": "lightning_rl.trainer_bridge.trainer",
+    "VLLMServer": "lightning_rl.vllm_server",
+    "plot_metrics": "lightning_rl.trainer_bridge.plotting",
+    "replay": "lightning_rl.trainer_bridge.replay",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_rl' has no attribute {name!r}")
+    value = getattr(_import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 _instrument_openai()
 _instrument_frameworks()  # LangChain and AutoGen: now if imported, else the moment they are
 
 __all__ = [
     "ConfigurationError",
+    "ContinuousTrainer",
+    "GroupJudge",
     "InMemoryStore",
     "InvalidRewardError",
     "LLMCall",
     "LightningRLError",
+    "LocalConfig",
     "MissingDependencyError",
     "Mode",
     "NotAStoreError",
@@ -63,11 +102,15 @@ __all__ = [
     "Span",
     "Store",
     "StoreError",
+    "StoredGroups",
     "TaskNotSerializableError",
     "TokenIdsSource",
     "ToolCall",
+    "TrainResult",
+    "Trainer",
     "Trajectory",
     "UnknownNameError",
+    "VLLMServer",
     "__version__",
     "agent_scope",
     "command",
@@ -77,7 +120,9 @@ __all__ = [
     "emit_reward",
     "flush",
     "open_store",
+    "plot_metrics",
     "register_credit",
+    "replay",
     "rollout_overrides",
     "set_policy_version",
     "stats",

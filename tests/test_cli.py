@@ -103,7 +103,20 @@ def test_rollouts_expire_ends_what_a_killed_process_left_running(db):
 
 
 def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
+    tasks, empty = tmp_path / "tasks.jsonl", tmp_path / "empty.jsonl"
+    tasks.write_text('{"a": 1}\n')
+    empty.write_text("\n")
+    trains = ["--model-dir", str(tmp_path), "--server-url", "http://127.0.0.1:9", "--store", db]
     for args in (["rollouts", "show", "nope", "--store", db],
+                 ["train", "run", "--agent", "no_colon", "--tasks", str(tasks), *trains],
+                 ["train", "run", "--agent", "tests.trainer_bridge.sync_agents:counting_agent", "--tasks", str(empty),
+                  *trains],
+                 ["train", "run", "--agent", "tests.trainer_bridge.sync_agents:counting_agent", "--tasks", str(tasks),
+                  "--steps", "0", *trains],
+                 ["train", "run", "--agent", "tests.trainer_bridge.sync_agents:counting_agent", "--tasks", str(tasks),
+                  "--policy", "planner", *trains],
+                 ["train", "replay", db, "--model-dir", str(tmp_path)],  # a run with nothing to replay
+                 ["train", "verl", "--agent", "no_colon"],
                  ["export", "--store", db, "--credit", "bogus"],
                  ["rollouts", "ls", "--store", "redis://x"],
                  ["gateway", "--upstream", "http://127.0.0.1:8000", "--host", "0.0.0.0"],  # no token
@@ -112,6 +125,11 @@ def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
         assert result.exit_code == 1, args
         assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
         assert "Traceback" not in result.output
+    steps = run("train", "run", "--agent", "tests.trainer_bridge.sync_agents:counting_agent", "--tasks", str(tasks),
+                "--steps", "0", *trains)
+    assert "Trainer.steps must be an int >= 1, got 0 (updates)" in steps.output
+    nothing = run("train", "replay", db, "--model-dir", str(tmp_path))
+    assert "has no training groups to replay" in nothing.output
 
 
 def _commands(group, prefix=()):

@@ -53,7 +53,7 @@ def test_sql_example_gold_queries_run_on_the_shipped_database():
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_continuous_demo_trains_through_the_cli(tmp_path):
-    """examples/continuous/simulate.py, shortened: traffic, late feedback, `lightning-rl train --continuous`."""
+    """examples/continuous/simulate.py, shortened: traffic, late feedback, `lightning-rl train continuous`."""
     from .conftest import ensure_tiny_model
 
     out = tmp_path / "demo"

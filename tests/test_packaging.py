@@ -142,7 +142,7 @@ def test_the_core_install_talks_to_a_store_server_and_says_which_extra_the_rest_
     probe = _run(bin_dir, "python", "-c", "import lightning_rl as lrl; s = lrl.open_store('http://127.0.0.1:1'); "
                                           "print(type(s).__name__); s.close()", cwd=tmp_path)
     assert probe.returncode == 0 and probe.stdout.strip() == "HttpStore", probe.stderr[-2000:]  # before: no httpx
-    for command, extra in ((("train", "--continuous", "--model-dir", "m", "--server-url", "http://127.0.0.1:1",
+    for command, extra in ((("train", "continuous", "--model-dir", "m", "--server-url", "http://127.0.0.1:1",
                              "--store", "x.db"), "local"),):
         out = _run(bin_dir, "lightning-rl", *command, cwd=tmp_path)
         assert out.returncode == 1 and "Traceback" not in out.stderr, (command, out.stderr[-2000:])

@@ -1,22 +1,31 @@
 """The public surface is exactly what we intend to support."""
 
+import subprocess
+import sys
+import types
+
 import lightning_rl as lrl
 
-EXPECTED = {
-    "ConfigurationError", "InMemoryStore", "InvalidRewardError", "LLMCall", "LightningRLError",
-    "MissingDependencyError", "Mode",
-    "NotAStoreError", "NotInRolloutError", "Reward", "RewardSource", "Rollout", "RolloutNotFoundError",
-    "RolloutStatus", "SQLiteStore", "Sample", "SchemaTooNewError", "Span", "Store", "StoreError",
-    "TaskNotSerializableError", "TokenIdsSource", "ToolCall", "Trajectory", "UnknownNameError",
-    "__version__", "agent_scope", "command", "configure", "current_endpoint", "current_rollout_id", "emit_reward", "flush", "open_store",
-    "register_credit", "rollout_overrides", "set_policy_version", "stats", "tool_span", "trace",
-}
 
-
-def test_exported_members():
-    assert set(lrl.__all__) == EXPECTED
+def test_all_is_exactly_what_the_package_exposes():
+    """In the style of httpx's tests/test_exported_members.py: ``__all__`` lists, sorted, every public name
+    the package holds (the names it loads on first use too), and nothing else; submodules are not names."""
+    modules = {name for name, value in vars(lrl).items() if isinstance(value, types.ModuleType)}
+    exposed = {name for name in dir(lrl) if not name.startswith("_") and name not in modules} | {"__version__"}
+    assert lrl.__all__ == sorted(exposed)
     for name in lrl.__all__:
-        assert hasattr(lrl, name), name
+        assert getattr(lrl, name) is not None, name
+    assert {"Trainer", "LocalConfig", "ContinuousTrainer", "TrainResult", "replay"} <= set(lrl.__all__)
+    assert lrl.Trainer.__module__ == "lightning_rl.trainer_bridge.trainer"
+
+
+def test_importing_the_package_loads_neither_torch_nor_the_trainer():
+    code = ("import sys, lightning_rl as lrl; names = ('torch', 'transformers', 'peft', 'lightning_rl.trainer_bridge'); "
+            "before = [m for m in names if m in sys.modules]; lrl.LocalConfig; "
+            "print(before, [m for m in names if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split("] [")[0] == "[", done.stdout  # nothing heavy at import
+    assert "torch" not in done.stdout.split("] [")[1], done.stdout  # the settings need no torch either
 
 
 def test_errors_share_one_root_and_match_builtins():

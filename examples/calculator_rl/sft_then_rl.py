@@ -29,8 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.store.export import chat_examples  # noqa: E402
-from lightning_rl.trainer_bridge.local import LocalConfig  # noqa: E402
-from lightning_rl.trainer_bridge.trainer import Trainer  # noqa: E402
 from train import add_training_arguments, demo_tasks, fresh_run, make_agent, peak_rss_mb, serve_with_lora  # noqa: E402
 
 
@@ -85,11 +83,11 @@ def main() -> None:
         print(f"collected {len(collect)} tries of the base model, {sum(collected):.0f} right; "
               f"{len(examples)} conversations for SFT", flush=True)
 
-        trainer = Trainer(
+        trainer = lrl.Trainer(
             agent=make_agent(client, "policy", temperature=1.0), tasks=train_tasks[:-args.collect_tasks], store=store,
             model_dir=args.model_dir, server_url=server.url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps, eval_tasks=held_out, eval_n=1,
-            eval_agent=make_agent(client, "policy", temperature=0.0), local=LocalConfig(lr=args.lr), seed=args.seed,
+            eval_agent=make_agent(client, "policy", temperature=0.0), local=lrl.LocalConfig(lr=args.lr), seed=args.seed,
             loggers=args.logger)
         sft = trainer.sft(examples, epochs=args.sft_epochs, lr=args.sft_lr)
         result = trainer.fit()  # version 0 is the SFT policy: eval_before is its held-out success

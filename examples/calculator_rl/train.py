@@ -34,9 +34,6 @@ import openai
 
 import lightning_rl as lrl
 from lightning_rl.tracer import current_rollout, tracing
-from lightning_rl.trainer_bridge.local import LocalConfig
-from lightning_rl.trainer_bridge.trainer import Trainer
-from lightning_rl.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -130,10 +127,10 @@ def demo_tasks(eval_tasks: int, seed: int) -> tuple[list[dict], list[dict]]:
     return held_out, make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
 
 
-def serve_with_lora(stack: contextlib.ExitStack, model_dir: str | Path, out: Path) -> VLLMServer:
+def serve_with_lora(stack: contextlib.ExitStack, model_dir: str | Path, out: Path) -> lrl.VLLMServer:
     """vLLM serving the demo model with LoRA hot-loading, for the length of ``stack``."""
     print(f"serving {model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
-    return stack.enter_context(VLLMServer(model=str(model_dir), enable_lora=True, max_lora_rank=16,
+    return stack.enter_context(lrl.VLLMServer(model=str(model_dir), enable_lora=True, max_lora_rank=16,
                                           log_path=out / "vllm.log"))
 
 
@@ -165,12 +162,12 @@ def main() -> None:
             server_url = serve_with_lora(stack, args.model_dir, out).url
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
         client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY")
-        trainer = Trainer(
+        trainer = lrl.Trainer(
             agent=make_agent(client, "policy", temperature=1.0), tasks=train_tasks, store=store,
             model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps, eval_tasks=held_out, eval_n=1,
             eval_agent=make_agent(client, "policy", temperature=0.0),
-            local=LocalConfig(lr=args.lr), seed=args.seed, loggers=args.logger,
+            local=lrl.LocalConfig(lr=args.lr), seed=args.seed, loggers=args.logger,
         )
         result = trainer.fit()
     minutes = (time.time() - started) / 60

@@ -2,7 +2,7 @@
 """Continuous training from production traffic: simulated users, real vLLM, the real CLI trainer.
 
 1. vLLM (CPU) serves the tiny model with LoRA hot-loading.
-2. ``lightning-rl train --continuous`` runs as a subprocess: it publishes version 0 of the LoRA
+2. ``lightning-rl train continuous`` runs as a subprocess: it publishes version 0 of the LoRA
    ``policy``, then trains from rewarded production rollouts as they arrive and hot-loads each new
    version. Nothing else trains the served model.
 3. Simulated users ask the calculator agent "What is a+b?" at Poisson times. The agent (the main
@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
 sys.path.insert(0, str(ROOT / "examples"))
 from train import add_run_arguments, answer, fresh_run, make_tasks  # noqa: E402  (the main demo's agent, questions, run folder)
 
-from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 
 SERVED = "policy"
 
@@ -74,7 +73,7 @@ def make_production_agent(client: openai.AsyncOpenAI, temperature: float):
 
 def trainer_command(args: argparse.Namespace, store_url: str, server_url: str, out: Path) -> list[str]:
     temperature = [] if args.temperature == 1.0 else ["--temperature", str(args.temperature)]
-    return [*shlex.split(args.cli), "train", "--continuous",
+    return [*shlex.split(args.cli), "train", "continuous",
             "--store", store_url, "--model-dir", args.model_dir, "--server-url", server_url,
             "--served-name", SERVED, "--out", str(out / "trainer"), "--min-new", str(args.min_new),
             "--max-policy-lag", str(args.max_policy_lag), "--reward-name", args.reward_name,
@@ -85,9 +84,9 @@ def check_cli(args: argparse.Namespace) -> None:
     """The trainer must compute log-probs at the agents' temperature: fail now if the CLI cannot be told."""
     if args.temperature == 1.0:
         return
-    text = subprocess.run([*shlex.split(args.cli), "train", "--help"], capture_output=True, text=True).stdout
+    text = subprocess.run([*shlex.split(args.cli), "train", "continuous", "--help"], capture_output=True, text=True).stdout
     if "--temperature" not in text:
-        raise SystemExit(f"`{args.cli} train` has no --temperature option; production samples at "
+        raise SystemExit(f"`{args.cli} train continuous` has no --temperature option; production samples at "
                          f"{args.temperature}, and the trainer must compute log-probs at it (or run --temperature 1.0)")
 
 
@@ -236,7 +235,7 @@ def main() -> None:
 
     with contextlib.ExitStack() as stack:
         print(f"serving {args.model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
-        server = stack.enter_context(VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
+        server = stack.enter_context(lrl.VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
                                                 log_path=out / "vllm.log"))
         store = lrl.configure(store=store_url)
         command = trainer_command(args, store_url, server.url, out)

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 import lightning_rl as lrl
-from lightning_rl.trainer_bridge.local import LocalConfig
-from lightning_rl.trainer_bridge.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -48,10 +46,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         server = serve_with_lora(stack, args.model_dir, out)
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
-        trainer = Trainer(
+        trainer = lrl.Trainer(
             agent=node_agent(server.url, 1.0), tasks=train_tasks, store=store, model_dir=args.model_dir,
             server_url=server.url, out_dir=out, n=args.n, tasks_per_step=args.tasks_per_step, steps=args.steps,
-            eval_tasks=held_out, eval_n=1, eval_agent=node_agent(server.url, 0.0), local=LocalConfig(lr=args.lr),
+            eval_tasks=held_out, eval_n=1, eval_agent=node_agent(server.url, 0.0), local=lrl.LocalConfig(lr=args.lr),
             seed=args.seed, loggers=args.logger)
         result = trainer.fit()
         calls = [c for t in store.trajectories(mode="train") for c in t.llm_calls]

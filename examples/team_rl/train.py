@@ -44,9 +44,6 @@ import openai
 
 import lightning_rl as lrl
 from lightning_rl.tracer import current_rollout, tracing
-from lightning_rl.trainer_bridge.local import LocalConfig
-from lightning_rl.trainer_bridge.trainer import Trainer
-from lightning_rl.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -198,20 +195,20 @@ def main() -> None:
     log: list[dict] = []
     with contextlib.ExitStack() as stack:
         print(f"serving {args.model_dir} with vLLM (CPU, {len(set(names.values()))} LoRA policies) ...", flush=True)
-        server = stack.enter_context(VLLMServer(model=args.model_dir, enable_lora=True, max_loras=2,
+        server = stack.enter_context(lrl.VLLMServer(model=args.model_dir, enable_lora=True, max_loras=2,
                                                 log_path=out / "vllm.log"))
         store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY")
         # before: the base model, which is every policy's version 0 (a LoRA starts with B = 0)
         base = {a: server.served_name for a in AGENTS}
         measured_before = asyncio.run(agent_measures(server.base_url, base, held_out, args.temperature, args.measure_tries))
-        trainer = Trainer(
+        trainer = lrl.Trainer(
             agent=make_team(client, names, args.temperature, log, args.n * args.tasks_per_step), tasks=train_tasks, store=store,
             model_dir=args.model_dir, server_url=server.url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps,
             eval_tasks=held_out, eval_n=1, eval_agent=make_team(client, names, 0.0, log), policies=names,
             credit="team", seed=args.seed,
-            local=LocalConfig(lr=args.lr, temperature=args.temperature, kl_coef=args.kl_coef),
+            local=lrl.LocalConfig(lr=args.lr, temperature=args.temperature, kl_coef=args.kl_coef),
         )
         result = trainer.fit()
         measured_after = asyncio.run(agent_measures(server.base_url, names, held_out, args.temperature, args.measure_tries))

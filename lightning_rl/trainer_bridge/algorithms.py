@@ -26,12 +26,12 @@ import torch
 
 from ..errors import ConfigurationError
 from ..registry import Registry
+from .config import LOSS_AGG_MODES
 
 ADV_ESTIMATORS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
     "advantage estimator", hint="or register one with @register_adv_estimator")
 POLICY_LOSSES: Registry[Callable[..., tuple[torch.Tensor, dict[str, float]]]] = Registry(
     "policy loss", hint="or register one with @register_policy_loss")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register
 get_adv_estimator = ADV_ESTIMATORS.get

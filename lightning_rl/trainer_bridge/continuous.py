@@ -1,4 +1,4 @@
-"""Continuous training from production traffic (``lightning-rl train --continuous``).
+"""Continuous training from production traffic (``lightning-rl train continuous``).
 
 Production agents run with ``mode="prod"``; rewards arrive during the rollout or long after it
 (``store.add_reward`` user feedback). The trainer reads them through the production stream
@@ -16,102 +16,115 @@ state resumes at the version it published, without training on that batch again.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from ..store.base import Store
-from .local import LocalBackend, LocalConfig
-from .loggers import MetricsLog, check_loggers, make_loggers, sample_rows
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from .config import ConfigModel, Count, Credit, LocalConfig, Loggers, Name, NonNegativeInt
+from .local import LocalBackend, load_adapter
+from .loggers import MetricsLog, make_loggers, sample_rows
 from .publishers import Publisher, make_publisher, publish_and_record
 from .sources import ProductionStream, StepBatch
 
 
-@dataclass
-class ContinuousTrainer:
-    store: Store
-    model_dir: str | Path
+class ContinuousTrainer(ConfigModel):
+    """Train the served LoRA from production rollouts as their rewards arrive (module doc). Keyword
+    arguments only, validated when it is made (``config.py``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    store: Any = Field(repr=False)
+    model_dir: Path
     server_url: str
-    out_dir: str | Path = ".cache/continuous"
-    served_name: str = "policy"
-    min_new: int = 32
-    max_policy_lag: int = 2
-    reward_name: str = "reward"
-    credit: str = "final"
-    level: str = "call"
-    agents: Any = None
-    local: LocalConfig = field(default_factory=lambda: LocalConfig(adv_estimator="batch_baseline"))
-    seed: int = 0
-    publisher: Publisher | None = None
-    loggers: Sequence[Any] = ()  # experiment trackers beside metrics.jsonl (loggers.py)
+    out_dir: Path = Path(".cache/continuous")
+    served_name: Name = "policy"
+    min_new: Count = Field(32, description="fresh rewarded rollouts per update")
+    max_policy_lag: NonNegativeInt = Field(2, description="versions a rollout may be behind")
+    reward_name: Name = "reward"
+    credit: Credit = "final"
+    level: Literal["call", "trajectory"] = "call"
+    agents: str | Sequence[str] | None = None
+    local: LocalConfig = Field(default_factory=lambda: LocalConfig(adv_estimator="batch_baseline"))
+    seed: Annotated[int, Field(strict=True)] = 0
+    publisher: Any = None  # default: vllm_lora for served_name, adapters in out_dir/adapters
+    loggers: Loggers = ()  # experiment trackers beside metrics.jsonl (loggers.py)
     run_name: str | None = None
 
-    def __post_init__(self) -> None:
-        check_loggers(self.loggers)
-        self.out_dir = Path(self.out_dir)
+    _source: ProductionStream = PrivateAttr()
+    _backend: LocalBackend | None = PrivateAttr(None)
+    _publisher: Publisher | None = PrivateAttr(None)
+    _metrics: MetricsLog | None = PrivateAttr(None)
+
+    def model_post_init(self, context: Any) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.out_dir / "metrics.jsonl"
-        self.source = ProductionStream(
+        self._source = ProductionStream(
             self.store, state_path=self.out_dir / "continuous_state.json", served_name=self.served_name,
             min_new=self.min_new, max_policy_lag=self.max_policy_lag, reward_name=self.reward_name,
             credit=self.credit, level=self.level, agents=self.agents, temperature=self.local.temperature)
-        self.backend: LocalBackend | None = None
-        self._metrics: MetricsLog | None = None
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    @property
+    def source(self) -> ProductionStream:
+        return self._source
+
+    @property
+    def backend(self) -> LocalBackend | None:
+        """The model being trained (None until ``start``)."""
+        return self._backend
 
     @property
     def state(self) -> dict[str, Any]:
-        return self.source.state
+        return self._source.state
 
     @property
     def version(self) -> int:
-        return self.source.version
+        return self._source.version
 
     @property
     def last_check(self) -> dict[str, int]:
-        return self.source.last_check
+        return self._source.last_check
 
     def start(self) -> None:
         """Load the model and publish the current adapter (version 0 on a first start)."""
-        self.source.start()  # first: it may adopt a publish the last run made but did not save
-        self.backend = LocalBackend(self.model_dir, self.local, seed=self.seed)
+        self._source.start()  # first: it may adopt a publish the last run made but did not save
+        self._backend = LocalBackend(self.model_dir, self.local, seed=self.seed, policies=[self.served_name])
         adapters = self.out_dir / "adapters"
         if self.version >= 0:  # resume from the last published adapter
-            import peft
-
-            last = adapters / f"v{self.version:05d}"
-            peft.set_peft_model_state_dict(self.backend.model, peft.load_peft_weights(str(last)))
-        self.publisher = self.publisher or make_publisher(
+            load_adapter(self._backend, adapters / f"v{self.version:05d}")
+        self._publisher = self.publisher or make_publisher(
             "vllm_lora", server_url=self.server_url, adapter_dir=adapters, served_name=self.served_name)
         version = max(self.version, 0)
-        publish_and_record(self.publisher, self.store, self.backend.model, version)
-        self.source.published(version)
+        publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
+        self._source.published(version)
 
     def step(self) -> dict[str, Any] | None:
         """One check of the store; returns the update's metrics, or None when there is not enough."""
-        if self.backend is None:
+        if self._backend is None:
             self.start()
         began = time.perf_counter()
-        batch = self.source.poll()
+        batch = self._source.poll()
         return None if batch is None else self._update(batch, began)
 
     def _update(self, batch: StepBatch, began: float) -> dict[str, Any]:
         read = time.perf_counter()
-        metrics = self.backend.update(batch.samples or [])
+        metrics = self._backend.update(batch.samples or [])
         trained = time.perf_counter()
         version = self.version + 1
-        publish_and_record(self.publisher, self.store, self.backend.model, version)
-        self.source.published(version)
+        publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
+        self._source.published(version)
         published = time.perf_counter()
         line = {"version": version, **batch.metrics, **metrics, "read_seconds": read - began,
                 "update_seconds": trained - read, "publish_seconds": published - trained, "time": time.time()}
         if self._metrics is None:
             config = {"served_name": self.served_name, "min_new": self.min_new, "max_policy_lag": self.max_policy_lag,
                       "reward_name": self.reward_name, "credit": self.credit, "level": self.level, "seed": self.seed,
-                      **{f"local.{k}": v for k, v in dataclasses.asdict(self.local).items()
-                         if isinstance(v, (int, float, str, bool)) or v is None}}
+                      **{f"local.{k}": v for k, v in self.local.scalars().items()}}
             self._metrics = MetricsLog(self.metrics_path, make_loggers(
                 self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
         self._metrics.write(line, version, sample_rows(batch.groups))
@@ -119,20 +132,20 @@ class ContinuousTrainer:
 
     def run(self, *, interval: float = 10.0, max_updates: int | None = None) -> None:
         """Update whenever enough fresh rollouts wait, checking every ``interval`` seconds."""
-        if self.backend is None:
+        if self._backend is None:
             self.start()
-        self.source.interval = interval
+        self._source.interval = interval
         updates = 0
         while max_updates is None or updates < max_updates:
             began = time.perf_counter()
-            batch = self.source.next_batch()
+            batch = self._source.next_batch()
             if batch is None:  # closed
                 return
             self._update(batch, began)
             updates += 1
 
     def close(self) -> None:
-        self.source.close()
+        self._source.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

@@ -26,102 +26,19 @@ import ctypes
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..boundaries import check_int
 from ..errors import ConfigurationError
 from ..records import Sample
 from ..store.samples import group_keys
 from .algorithms import agg_loss, get_adv_estimator, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
-
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class LocalConfig:
-    lr: float = 2e-4
-    # learning rate per policy (served name), for a team whose agents learn at different speeds; others use lr
-    policy_lr: dict[str, float] = field(default_factory=dict)
-    # any training field per policy (served name -> {field: value}, fields in POLICY_FIELDS), for agents whose
-    # samples differ in number or noise: {"planner-lora": {"lr": 1e-4, "mini_batch_size": 64}}; others use these
-    policy_config: dict[str, dict[str, Any]] = field(default_factory=dict)
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    target_modules: tuple[str, ...] = TARGET_MODULES
-    adv_estimator: str = "grpo"
-    policy_loss: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.0
-    kl_kind: str = "low_var_kl"
-    ppo_epochs: int = 1
-    mini_batch_size: int = 16  # samples per optimizer step (verl's ppo_mini_batch_size)
-    micro_batch_size: int = 16  # samples per forward/backward (memory only)
-    rollout_is: bool = True  # truncated importance weights proximal/behaviour (the engine's log-probs)
-    rollout_is_threshold: float = 2.0
-    temperature: float = 1.0  # the sampling temperature: the engine's processed log-probs include it
-    max_grad_norm: float = 1.0
-    dtype: str = "float32"  # "bfloat16" on a GPU
-    # glibc (Linux): after each update, hand the heap's freed memory back to the system (malloc_trim).
-    # Without it, the heap kept the freed activations of every policy's updates: each policy past the first
-    # added ~8x its footprint to the peak RSS; with it the peak stays flat in N, at ~15% slower CPU updates
-    # (bench/bench_policy_memory.py). None (default): on when the backend holds several policies.
-    malloc_trim: bool | None = None
-    # glibc (Linux): blocks from this many bytes up are mapped on their own and returned to the system when
-    # freed; set for the whole process. 65536 takes a third off one policy's peak RSS, but CPU updates took
-    # 1.25x-1.9x as long. None (default) leaves the allocator as it is.
-    malloc_mmap_threshold: int | None = None
-    adv_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-# The LocalConfig fields a policy may set for itself (policy_config): what one update reads. The model's
-# shape (LoRA rank, target modules, dtype) and the process's allocator are shared by all policies.
-POLICY_FIELDS = ("lr", "adv_estimator", "policy_loss", "loss_agg_mode", "clip_ratio", "kl_coef", "kl_kind",
-                 "ppo_epochs", "mini_batch_size", "micro_batch_size", "rollout_is", "rollout_is_threshold",
-                 "temperature", "max_grad_norm", "adv_kwargs")
-
-
-def policy_configs(config: LocalConfig, policies: Sequence[str | None]) -> dict[str | None, LocalConfig]:
-    """Each policy's own LocalConfig: ``config`` with its ``policy_lr`` and ``policy_config`` entries applied.
-    Unknown served names, fields outside POLICY_FIELDS, rates that are not positive numbers, or a rate given
-    both ways, differently: ConfigurationError naming them."""
-    named = [p for p in policies if p is not None]
-    for attr in ("policy_lr", "policy_config"):
-        value = getattr(config, attr)
-        if not isinstance(value, dict):
-            raise ConfigurationError(f"LocalConfig.{attr} must map served names to "
-                                     f"{'learning rates' if attr == 'policy_lr' else 'dicts of fields'}, got "
-                                     f"{value!r}; for one value for all policies set the field itself (lr=...)")
-        unknown = set(value) - set(named)
-        if unknown:
-            raise ConfigurationError(f"LocalConfig.{attr} names policies this backend does not hold "
-                                     f"({sorted(unknown, key=repr)}); its keys are served names from policies= "
-                                     f"({named})")
-    out: dict[str | None, LocalConfig] = {}
-    for policy in policies:
-        own = config.policy_config.get(policy, {})
-        if not isinstance(own, dict) or set(own) - set(POLICY_FIELDS):
-            bad = sorted(set(own) - set(POLICY_FIELDS)) if isinstance(own, dict) else own
-            raise ConfigurationError(f"LocalConfig.policy_config[{policy!r}] sets {bad!r}, which a policy cannot "
-                                     f"set for itself; it may set {', '.join(POLICY_FIELDS)}")
-        if policy in config.policy_lr:
-            if "lr" in own and own["lr"] != config.policy_lr[policy]:
-                raise ConfigurationError(f"policy {policy!r} has two learning rates: policy_lr "
-                                         f"{config.policy_lr[policy]!r} and policy_config lr {own['lr']!r}; give one")
-            own = {**own, "lr": config.policy_lr[policy]}
-        lr = own.get("lr", config.lr)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            where = "policy_lr" if policy in config.policy_lr else "policy_config" if "lr" in own else "lr"
-            raise ConfigurationError(f"LocalConfig.{where} has a rate that is not a positive number for policy "
-                                     f"{policy!r}: {lr!r}; its keys are served names, its values learning "
-                                     f"rates such as 1e-4")
-        out[policy] = replace(config, **own)
-    return out
-
+from .config import LocalConfig
 
 def release_freed_memory() -> bool:
     """glibc's ``malloc_trim(0)``: the heap's free pages go back to the system (False where there is no
@@ -140,9 +57,8 @@ def set_malloc_mmap_threshold(size: int | None) -> bool:
     sets at start-up); False where there is no glibc, or ``size`` is None."""
     if size is None:
         return False
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ConfigurationError(f"LocalConfig.malloc_mmap_threshold must be a number of bytes >= 0 or None, "
-                                 f"got {size!r}; 65536 for a trainer holding several policies")
+    check_int(size, "LocalConfig.malloc_mmap_threshold", meaning="bytes, or None; 65536 for a trainer holding "
+              "several policies")
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -198,77 +114,74 @@ def build_batch(samples: list[Sample], pad_token_id: int) -> Batch:
 
 
 class LocalBackend:
-    """Holds the PEFT model and one optimizer per adapter; ``model`` is what a publisher saves.
-
-    ``policies`` (served names) gives one LoRA adapter per policy on the one base model (PEFT
-    multi-adapter): ``update(samples, policy=name)`` trains that adapter only, with its own
-    optimizer, and ``adapter(name)`` is what its publisher saves. Without it: one adapter."""
+    """Holds the PEFT model: one LoRA adapter per policy (served name) on the one base model (PEFT
+    multi-adapter), each with its own optimizer and config (``LocalConfig.for_policy``).
+    ``update(samples, policy=name)`` trains that adapter only, and ``adapter(name)`` is what its
+    publisher saves. One policy is one named adapter (``policies=("policy",)``, the default); where
+    the backend holds one, ``policy`` may be left out."""
 
     def __init__(self, model_dir: str | Path, config: LocalConfig | None = None, *, seed: int = 0,
-                 device: str | None = None, policies: Sequence[str] | None = None) -> None:
+                 device: str | None = None, policies: Sequence[str] = ("policy",)) -> None:
         try:
             import peft
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as exc:
             raise ImportError("the local trainer needs peft: pip install 'lightning-rl[local]'") from exc
         self.config = config or LocalConfig()
+        if isinstance(policies, str) or not policies or len(set(policies)) != len(policies):
+            raise ConfigurationError(f"policies must be distinct served names, at least one, got {policies!r}")
+        self.config.check_policies(policies)
         set_malloc_mmap_threshold(self.config.malloc_mmap_threshold)
         self._seed = seed
         torch.manual_seed(seed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, self.config.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigurationError(f"dtype {self.config.dtype!r} is not a torch dtype; use float32 or bfloat16")
-        if policies is not None and (isinstance(policies, str) or not policies
-                                     or len(set(policies)) != len(policies)):
-            raise ConfigurationError(f"policies must be distinct served names, at least one, got {policies!r}")
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, self.config.dtype))
         self.base_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
         self.pad_token_id = AutoTokenizer.from_pretrained(str(model_dir)).pad_token_id or 0
         lora = peft.LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha, lora_dropout=0.0,
                                target_modules=list(self.config.target_modules))
         # PEFT adapter names are module keys: policy i is "policy{i}" inside, its served name outside
-        self._adapters: dict[str | None, str] = (
-            {None: "default"} if policies is None else {name: f"policy{i}" for i, name in enumerate(policies)})
+        self._adapters: dict[str, str] = {name: f"policy{i}" for i, name in enumerate(policies)}
         names = list(self._adapters.values())
         self.model = peft.get_peft_model(base, lora, adapter_name=names[0])
         for name in names[1:]:
             self.model.add_adapter(name, lora)
         self.model = self.model.to(self.device)
         self.model.train()
-        self._configs = policy_configs(self.config, list(self._adapters))
+        self._configs = {policy: self.config.for_policy(policy) for policy in self._adapters}
         self._optimizers = {
             policy: torch.optim.AdamW(self._params(name), lr=self._configs[policy].lr, weight_decay=0.0)
             for policy, name in self._adapters.items()}
-        for policy, cfg in self._configs.items():  # bad settings fail here, before any rollout
-            get_adv_estimator(cfg.adv_estimator)
-            get_policy_loss(cfg.policy_loss)
-            if cfg.mini_batch_size < 1 or cfg.micro_batch_size < 1 or cfg.ppo_epochs < 1:
-                raise ConfigurationError(
-                    f"mini_batch_size, micro_batch_size and ppo_epochs must be >= 1, got {cfg.mini_batch_size}, "
-                    f"{cfg.micro_batch_size}, {cfg.ppo_epochs}" + (f" for policy {policy!r}" if policy else ""))
 
     @property
-    def policies(self) -> list[str | None]:
+    def policies(self) -> list[str]:
         return list(self._adapters)
 
     def _params(self, adapter: str) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if "lora_" in n and f".{adapter}." in n]
 
-    def _name(self, policy: str | None) -> str:
+    def _policy(self, policy: str | None) -> str:
+        """``policy``, or the only one the backend holds when it is None."""
+        if policy is None:
+            if len(self._adapters) > 1:
+                raise ConfigurationError(f"this backend holds {len(self._adapters)} policies; name the one to use "
+                                         f"(policy=..., one of {self.policies})")
+            return next(iter(self._adapters))
         if policy not in self._adapters:
             known = ", ".join(repr(p) for p in self._adapters)
             raise ConfigurationError(f"no adapter for policy {policy!r}; this backend holds {known}")
-        return self._adapters[policy]
+        return policy
 
-    def _use(self, policy: str | None) -> None:
-        name = self._name(policy)
+    def _use(self, policy: str | None) -> str:
+        policy = self._policy(policy)
+        name = self._adapters[policy]
         if self.model.active_adapter != name:
             self.model.set_adapter(name)  # only this adapter is active and trainable
+        return policy
 
     def adapter(self, policy: str | None = None) -> "AdapterWeights":
         """The weights a publisher saves for ``policy`` (its adapter alone, as a PEFT adapter folder)."""
-        return AdapterWeights(self.model, self._name(policy))
+        return AdapterWeights(self.model, self._adapters[self._policy(policy)])
 
     def memory(self) -> dict[str, Any]:
         """Bytes held in this process: the base model once, and per policy its adapter and optimizer state."""
@@ -279,7 +192,7 @@ class LocalBackend:
             adapter = sum(p.numel() * p.element_size() for p in params)
             optimizer = sum(t.numel() * t.element_size() for p in params for t in state.get(p, {}).values()
                             if isinstance(t, torch.Tensor))
-            out["policies"][str(policy)] = {"adapter_mb": adapter / 2**20, "optimizer_mb": optimizer / 2**20}
+            out["policies"][policy] = {"adapter_mb": adapter / 2**20, "optimizer_mb": optimizer / 2**20}
         return out
 
     def response_logprobs(self, batch: Batch, rows: slice, temperature: float | None = None) -> torch.Tensor:
@@ -302,20 +215,16 @@ class LocalBackend:
                           for i in range(0, len(batch.index), step)])
 
     def update(self, samples: list[Sample], policy: str | None = None) -> dict[str, float]:
-        """One batch of updates to ``policy``'s adapter (the only one, when the backend holds one), with
-        that policy's config (``LocalConfig`` with its ``policy_lr``/``policy_config`` entries), as it was
-        when the backend was built."""
-        if policy is None and len(self._adapters) > 1:
-            raise ConfigurationError(f"this backend holds {len(self._adapters)} policies; name the one to update "
-                                     f"(update(samples, policy=...), one of {self.policies})")
-        self._use(policy)
+        """One batch of updates to ``policy``'s adapter (may be left out where the backend holds one), with
+        that policy's config (``LocalConfig.for_policy``), as it was when the backend was built."""
+        policy = self._use(policy)
         stats = self._update(samples, policy, self._configs[policy])
         trim = self.config.malloc_trim
         if trim or (trim is None and len(self._adapters) > 1):  # the update's activations are freed now
             release_freed_memory()
         return stats
 
-    def _update(self, samples: list[Sample], policy: str | None, cfg: LocalConfig) -> dict[str, float]:
+    def _update(self, samples: list[Sample], policy: str, cfg: LocalConfig) -> dict[str, float]:
         optimizer = self._optimizers[policy]
         batch = build_batch(samples, self.pad_token_id)
         mask = batch.response_mask.to(self.device)
@@ -392,11 +301,10 @@ class LocalBackend:
         Returns the mean loss of the first and of the last epoch, and the counts."""
         if not samples:
             raise ConfigurationError("sft needs at least one sample")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigurationError(f"epochs must be an int >= 1, got {epochs!r}")
-        self._use(policy)
+        check_int(epochs, "epochs", minimum=1)
+        policy = self._use(policy)
         cfg = self._configs[policy]
-        params = self._params(self._name(policy))
+        params = self._params(self._adapters[policy])
         optimizer = torch.optim.AdamW(params, lr=lr if lr is not None else cfg.lr, weight_decay=0.0)
         batch = build_batch(samples, self.pad_token_id)
         mask = batch.response_mask.to(self.device)
@@ -433,7 +341,7 @@ def load_adapter(backend: LocalBackend, path: str | Path, policy: str | None = N
     path = Path(path)
     if not (path / "adapter_config.json").is_file():
         raise ConfigurationError(f"init_adapter {str(path)!r} is not a LoRA adapter folder (no adapter_config.json)")
-    name = backend._name(policy)
+    name = backend.adapter(policy).name
     weights = peft.load_peft_weights(str(path), device=str(backend.device))
     result = peft.set_peft_model_state_dict(backend.model, weights, adapter_name=name)
     missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{name}." in k]

@@ -1,7 +1,7 @@
 """Experiment trackers: every metrics line a trainer writes to ``metrics.jsonl`` goes to them too.
 
 ``Trainer(loggers=["tensorboard", "mlflow", "wandb"])``, ``ContinuousTrainer(loggers=...)`` or
-``lightning-rl train --logger NAME``; a registry like the credit rules (``register_logger``). A logger
+``lightning-rl train run|continuous|replay --logger NAME``; a registry like the credit rules (``register_logger``). A logger
 is made with the run's output directory, a run name and the run's settings, and gets:
 
 * ``log(metrics, step)``: the line's numbers under verl's names where verl logs the same quantity,

@@ -7,10 +7,12 @@ conversation trains its last message, which must be the assistant's: the prompt 
 the messages before it (with the generation prompt), the response the tokens the full conversation
 adds; a template whose prompt is not a token prefix of the whole is refused, naming the example.
 
-Teams (``policies={"planner": "planner-lora", ...}``, as ``Trainer`` takes them): each example goes to
-the policy of its ``agent`` (the export writes it), and each policy's adapter is trained on its own
-examples, saved as ``sft_adapter/<served name>/``. Examples of agents without a policy are skipped and
-counted (``sft_skipped_no_policy``); a policy no example reaches keeps the fresh LoRA and is named in
+Policies (``policies.py``: one policy, or a team such as ``{"planner": "planner-lora", ...}``, as
+``Trainer`` takes them): each example goes to the policy of its ``agent`` (the export writes it; one
+policy takes every example), and each policy's adapter is trained on its own examples, saved under
+``sft_adapter/`` as ``policies.py`` lays folders out (one served name: ``sft_adapter/`` itself; several:
+``sft_adapter/<served name>/``). Examples of agents without a policy are skipped and counted
+(``sft_skipped_no_policy``); a policy no example reaches keeps the fresh LoRA and is named in
 ``sft_policies_without_data``; data that reaches no policy at all is refused.
 """
 
@@ -19,12 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
 from ..records import Sample
+from .policies import Policies
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +90,12 @@ def sft_samples(data: str | Path | Iterable[Any], model_dir: str | Path) -> list
     return samples
 
 
-def split_by_policy(samples: list[Sample], policies: Mapping[str, str]) -> tuple[dict[str, list[Sample]], int]:
-    """Each sample under its agent's served policy; and how many had no agent with a policy."""
-    out: dict[str, list[Sample]] = {served: [] for served in dict.fromkeys(policies.values())}
+def split_by_policy(samples: list[Sample], policies: Policies) -> tuple[dict[str, list[Sample]], int]:
+    """Each sample under its agent's policy; and how many had no agent with a policy."""
+    out: dict[str, list[Sample]] = {served: [] for served in policies.served}
     skipped = 0
     for sample in samples:
-        served = policies.get(sample.agent_name) if sample.agent_name is not None else None
+        served = policies.of_agent(sample.agent_name)
         if served is None:
             skipped += 1
         else:
@@ -100,40 +103,35 @@ def split_by_policy(samples: list[Sample], policies: Mapping[str, str]) -> tuple
     if not any(out.values()):
         agents = sorted({str(s.agent_name) for s in samples})
         raise ConfigurationError(f"no SFT example belongs to an agent with a policy: the data's agents are {agents}, "
-                                 f"the policies' are {sorted(policies)}; export the team's rollouts (their examples "
-                                 "carry 'agent'), or fix the names in policies=")
+                                 f"the policies' are {sorted(policies.by_agent)}; export the team's rollouts (their "
+                                 "examples carry 'agent'), or fix the names in policies=")
     return out, skipped
 
 
 def warm_start(data: Any, model_dir: str | Path, out_dir: str | Path, *, local: Any = None, seed: int = 0,
                epochs: int = 2, lr: float | None = None,
-               policies: Mapping[str, str] | None = None) -> tuple[dict[str, Any], Path]:
-    """SFT a fresh LoRA (``LocalBackend.sft``) on ``data``; saves it as ``out_dir/sft_adapter`` and its
-    losses as ``out_dir/sft.json``. Returns both. With ``policies`` (a team), one adapter per served
-    policy, each trained on its agents' examples, in ``sft_adapter/<served name>/``; the stats are per
-    policy (``policies``) with the skip counts beside them."""
-    from .local import LocalBackend, LocalConfig
+               policies: Policies | None = None) -> tuple[dict[str, Any], Path]:
+    """SFT a fresh LoRA per policy (``LocalBackend.sft``) on ``data`` (default: one policy); saves the adapters
+    under ``out_dir/sft_adapter`` (module doc) and the losses as ``out_dir/sft.json``. Returns both. The
+    stats are per policy (``policies``; a single served name's also at the top level), with the skip counts."""
+    from .local import LocalBackend
 
+    policies = policies or Policies.of()
     samples = sft_samples(data, model_dir)
     out_dir = Path(out_dir)
     path = out_dir / "sft_adapter"
-    if path.is_dir():  # an earlier SFT's adapters: a team policy without data now must not load them
+    if path.is_dir():  # an earlier SFT's adapters: a policy without data now must not load them
         shutil.rmtree(path)
-    if policies is None:
-        backend = LocalBackend(model_dir, local or LocalConfig(), seed=seed)
-        stats: dict[str, Any] = backend.sft(samples, epochs=epochs, lr=lr)
-        backend.adapter().save_pretrained(path)
-    else:
-        routed, skipped = split_by_policy(samples, policies)
-        backend = LocalBackend(model_dir, local or LocalConfig(), seed=seed, policies=list(routed))
-        stats = {"policies": {}, "sft_skipped_no_policy": skipped,
-                 "sft_policies_without_data": [name for name, mine in routed.items() if not mine]}
-        for name, mine in routed.items():
-            if mine:
-                stats["policies"][name] = backend.sft(mine, epochs=epochs, lr=lr, policy=name)
-                backend.adapter(name).save_pretrained(path / name)
-        if skipped or stats["sft_policies_without_data"]:
-            log.warning("team SFT: %d example(s) of agents without a policy skipped; policies without data (they "
-                        "start from a fresh LoRA): %s", skipped, stats["sft_policies_without_data"] or "none")
+    routed, skipped = split_by_policy(samples, policies)
+    backend = LocalBackend(model_dir, local, seed=seed, policies=policies.served)
+    folders = policies.folders(path)
+    per_policy = {name: backend.sft(mine, epochs=epochs, lr=lr, policy=name) for name, mine in routed.items() if mine}
+    for name in per_policy:
+        backend.adapter(name).save_pretrained(folders[name])
+    stats: dict[str, Any] = {**policies.figures(per_policy), "sft_skipped_no_policy": skipped,
+                             "sft_policies_without_data": [name for name, mine in routed.items() if not mine]}
+    if skipped or stats["sft_policies_without_data"]:
+        log.warning("SFT: %d example(s) of agents without a policy skipped; policies without data (they start from "
+                    "a fresh LoRA): %s", skipped, stats["sft_policies_without_data"] or "none")
     (out_dir / "sft.json").write_text(json.dumps({**stats, "adapter": str(path)}, indent=1))
     return stats, path

@@ -17,7 +17,7 @@ the publish, the metrics line.
 * ``ProductionStream``: continuous mode. Production rollouts (``mode="prod"``) as their rewards arrive,
   late or never; a batch is every fresh rewarded rollout once ``min_new`` wait, each its own group, with
   the samples the trainer can reproduce chosen by the source (``StepBatch.samples``). Its state is
-  resumable; ``continuous.py`` (``lightning-rl train --continuous``) trains from it without end.
+  resumable; ``continuous.py`` (``lightning-rl train continuous``) trains from it without end.
 """
 
 from __future__ import annotations

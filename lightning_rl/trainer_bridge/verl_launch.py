@@ -1,4 +1,4 @@
-"""``lightning-rl train --backend verl``: verl's own trainer (``verl.trainer.main_ppo``) with our config.
+"""``lightning-rl train verl``: verl's own trainer (``verl.trainer.main_ppo``) with our config (``run_verl``).
 
 The packaged Hydra config (``verl_config/lightning_rl_grpo.yaml``) extends verl's ``ppo_trainer``:
 GRPO, rollout correction from the engine's log-probs, and the ``lightning_rl`` agent loop as the
@@ -9,6 +9,7 @@ override can be appended (``data.train_files=...``, ``trainer.n_gpus_per_node=8`
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,3 +97,13 @@ def verl_command(agent: str, overrides: Sequence[str] = (), *, store: str | None
     if store:
         args.append(f"lightning_rl.store={store}")
     return args + list(overrides)
+
+
+def run_verl(agent: str, overrides: Sequence[str] = (), *, store: str | None = None) -> int:
+    """Run verl's trainer over the traced agent ``agent`` (``module:function``) with the packaged config and
+    the Hydra ``overrides`` (``verl_command``), after checking the installed verl and vLLM versions;
+    returns its exit status."""
+    command = verl_command(agent, overrides, store=store)
+    check_verl_version()
+    check_vllm_version()
+    return subprocess.call(command, env=os.environ.copy())

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_rl.store.sqlite_store import SQLiteStore
 from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
-from lightning_rl.trainer_bridge.local import LocalConfig
+from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.publishers import make_publisher
 
 from ..conftest import ensure_tiny_model
@@ -39,13 +39,16 @@ def test_a_trainer_stopped_after_its_publish_resumes_at_that_version_with_its_we
     trainer.source.published = stopped
     with pytest.raises(KeyboardInterrupt):
         trainer.step()
-    trained = {k: v.clone() for k, v in peft.get_peft_model_state_dict(trainer.backend.model).items()}
+    def weights(backend):
+        return peft.get_peft_model_state_dict(backend.model, adapter_name=backend.adapter().name)
+
+    trained = {k: v.clone() for k, v in weights(trainer.backend).items()}
     assert [p.version for p in store.policies("policy")] == [0, 1]
 
     again = _trainer(store, tmp_path / "ct")
     again.start()
     assert again.version == 1 and [p.version for p in store.policies("policy")] == [0, 1, 1]
-    loaded = peft.get_peft_model_state_dict(again.backend.model)
+    loaded = weights(again.backend)
     assert all(torch.equal(trained[k], loaded[k]) for k in trained)  # the published weights, not version 0's
     assert again.step() is None and again.last_check["waiting"] == 0  # its batch is not trained on twice
     _prod_rollout(store, "c", 1, reward=1.0)

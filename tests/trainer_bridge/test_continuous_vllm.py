@@ -8,7 +8,7 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.tracer import tracing
 from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
-from lightning_rl.trainer_bridge.local import LocalConfig
+from lightning_rl.trainer_bridge.config import LocalConfig
 
 from ..conftest import SERVED_NAME, ensure_tiny_model
 

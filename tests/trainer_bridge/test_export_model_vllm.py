@@ -30,7 +30,7 @@ def test_the_merged_model_gives_the_greedy_answer_of_base_plus_adapter(tmp_path)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightning_rl.trainer_bridge.local import TARGET_MODULES
+    from lightning_rl.trainer_bridge.config import TARGET_MODULES
 
     base_dir = ensure_tiny_model()
     torch.manual_seed(0)

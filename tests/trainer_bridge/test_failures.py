@@ -4,6 +4,7 @@ an infrastructure failure is left out whole, and the metrics line counts both.""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,4 +100,72 @@ def test_bad_policies_are_refused_before_anything_runs(sqlite_store, tmp_path, k
 def test_policies_name_the_agents_trained_and_share_served_names(sqlite_store, tmp_path):
     trainer = Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
                       out_dir=tmp_path, policies={"planner": "team-lora", "critic": "team-lora", "solver": "s-lora"})
-    assert trainer.agents == ["planner", "critic", "solver"] and trainer._served == ["team-lora", "s-lora"]
+    assert trainer.trained_agents == ["planner", "critic", "solver"]
+    assert trainer.policy_names == ["team-lora", "s-lora"]
+    assert trainer.agents is None  # what was given stays as it was: the trainer derives, it does not rewrite
+
+
+def test_one_policy_is_a_team_of_one(sqlite_store, tmp_path):
+    one = Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
+                  out_dir=tmp_path, served_name="calc-lora")
+    assert one.policy_names == ["calc-lora"] and one.trained_agents is None  # every agent trains it
+    picked = Trainer(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
+                     out_dir=tmp_path, agents="solv.*")
+    assert picked.trained_agents == "solv.*"  # one policy: agents may be a pattern
+
+
+def test_the_settings_are_keyword_only_checked_and_never_rewritten(sqlite_store, tmp_path):
+    import pydantic
+
+    from lightning_rl.trainer_bridge.config import LocalConfig
+
+    common = dict(agent=lambda t: 1.0, tasks=[{}], store=sqlite_store, model_dir="unused", server_url="http://x:1",
+                  out_dir=tmp_path)
+    with pytest.raises(TypeError):
+        Trainer(lambda t: 1.0, [{}], sqlite_store, "unused", "http://x:1")  # the old positional form
+    for bad, message in [(dict(n=True), r"Trainer.n must be an int, got True \(tries per task"),
+                         (dict(steps=0), "Trainer.steps must be an int >= 1, got 0"),
+                         (dict(level="turn"), "Trainer.level must be one of 'call' or 'trajectory', got 'turn'"),
+                         (dict(backend="verl"), "Trainer.backend is not a setting of Trainer"),
+                         (dict(failure_reward=float("nan")), "Trainer.failure_reward"),
+                         (dict(local=LocalConfig(policy_config={"ghost": {"lr": 1e-4}})), r"names policies.*\['ghost'\]"),
+                         (dict(init_adapter={"ghost": tmp_path}), r"does not train: \['ghost'\]")]:
+        with pytest.raises(ConfigurationError, match=message):
+            Trainer(**common, **bad)
+    with pytest.raises(lrl_unknown_name(), match="unknown credit assignment 'bogus'; known: .*final"):
+        Trainer(**common, credit="bogus")
+    trainer = Trainer(**common, overlap=True)
+    assert trainer.max_staleness == 1 and trainer.out_dir == tmp_path
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        trainer.steps = 3
+
+
+def lrl_unknown_name():
+    from lightning_rl.errors import UnknownNameError
+
+    return UnknownNameError
+
+
+def test_a_sample_trains_the_policy_that_served_it_else_the_every_agent_policy():
+    from lightning_rl.records import Sample
+    from lightning_rl.trainer_bridge.policies import Policies
+
+    def sample(agent, served):
+        return Sample(prompt_ids=[1], response_ids=[2], response_mask=[1], agent_name=agent, policy=served)
+
+    team = Policies.of({"planner": "planner-lora", "solver": "solver-lora"})
+    one = Policies.of(served_name="policy")
+    calls = [sample("planner", "planner-lora"), sample("solver", "planner-lora"), sample("solver", "tiny"),
+             sample("solver", None)]
+    assert [team.trains(s) for s in calls] == ["planner-lora", "planner-lora", None, None]
+    assert [one.trains(s) for s in calls] == ["policy"] * 4  # one policy trains every call its agents make
+    assert [team.serving(s) for s in calls] == ["planner-lora", "planner-lora", None, None]
+    assert [one.serving(s) for s in calls] == [None, None, None, "policy"]  # a call naming no model: the "*" one
+    routed, unrouted = team.route(calls)
+    assert {k: len(v) for k, v in routed.items()} == {"planner-lora": 2, "solver-lora": 0} and unrouted == 2
+    assert team.off_their_policy(calls) == 3 and one.off_their_policy(calls) == 4  # none went to "policy"
+    assert one.folders("out") == {"policy": Path("out")}
+    assert team.folders("out") == {"planner-lora": Path("out/planner-lora"), "solver-lora": Path("out/solver-lora")}
+    assert one.figures({"policy": {"loss": 1.0, "policy_version": 2}}, own=("policy_version",)) == {
+        "loss": 1.0, "policies": {"policy": {"loss": 1.0, "policy_version": 2}}}
+    assert team.figures({"planner-lora": {"loss": 1.0}}) == {"policies": {"planner-lora": {"loss": 1.0}}}

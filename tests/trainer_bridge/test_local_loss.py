@@ -26,7 +26,8 @@ def _samples(n: int = 64, seed: int = 0) -> list[Sample]:
 
 
 def _update(**config):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     backend = LocalBackend(ensure_tiny_model(), LocalConfig(**{"lr": 5e-3, **config}), seed=0, device="cpu")
     return backend.update(_samples())

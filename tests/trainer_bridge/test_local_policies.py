@@ -1,5 +1,6 @@
 """One base model, one LoRA adapter per policy (PEFT multi-adapter) in the local backend: each policy
-trains as a backend of its own would, leaves the others untouched, and is saved alone."""
+trains as a backend of its own would, leaves the others untouched, and is saved alone. One policy is one
+named adapter, the same way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytest.importorskip("peft")
 
 
 def _backend(**kw):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     return LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-3), seed=0, device="cpu", **kw)
 
@@ -27,14 +29,14 @@ def _weights(backend, adapter: str) -> dict[str, torch.Tensor]:
 
 def test_each_policy_trains_as_its_own_backend_and_leaves_the_other_alone():
     alone, team = _backend(), _backend(policies=["planner", "solver"])
-    assert _weights(alone, "default").keys() == _weights(team, "policy0").keys()
+    assert _weights(alone, "policy0").keys() == _weights(team, "policy0").keys()
     solver_before = _weights(team, "policy1")
     samples = _samples()
     expected = alone.update(samples)
     got = team.update(samples, policy="planner")
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert got["pg_clipfrac"] == pytest.approx(expected["pg_clipfrac"])
-    trained, reference = _weights(team, "policy0"), _weights(alone, "default")
+    trained, reference = _weights(team, "policy0"), _weights(alone, "policy0")
     assert all(torch.allclose(trained[k], reference[k], atol=1e-6) for k in reference)
     solver_after = _weights(team, "policy1")
     assert all(torch.equal(solver_before[k], solver_after[k]) for k in solver_before)  # not touched
@@ -49,34 +51,47 @@ def test_each_policy_trains_as_its_own_backend_and_leaves_the_other_alone():
 
 
 def test_a_policy_with_its_own_learning_rate_trains_as_a_backend_with_that_rate():
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     alone = LocalBackend(ensure_tiny_model(), LocalConfig(lr=5e-4), seed=0, device="cpu")
     team = LocalBackend(
-        ensure_tiny_model(), LocalConfig(lr=5e-3, policy_lr={"planner": 5e-4}), seed=0, device="cpu",
+        ensure_tiny_model(), LocalConfig(lr=5e-3, policy_config={"planner": {"lr": 5e-4}}), seed=0, device="cpu",
         policies=["planner", "solver"])
     samples = _samples()
     expected = alone.update(samples)
     planner = team.update(samples, policy="planner")
     assert planner["lr"] == expected["lr"] == 5e-4 and team.update(samples, policy="solver")["lr"] == 5e-3
     assert planner["loss"] == pytest.approx(expected["loss"], rel=1e-5)
-    trained, reference = _weights(team, "policy0"), _weights(alone, "default")
+    trained, reference = _weights(team, "policy0"), _weights(alone, "policy0")
     assert all(torch.allclose(trained[k], reference[k], atol=1e-6) for k in reference)
 
 
-@pytest.mark.parametrize("policy_lr, named", [({"critic": 1e-4}, "critic"), ({"solver": 0}, "'solver': 0"),
-                                              ({"solver": "fast"}, "fast"), (1e-4, "0.0001")])
-def test_a_learning_rate_for_an_unknown_policy_or_not_a_rate_is_refused(policy_lr, named):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+@pytest.mark.parametrize("policy_config, named", [
+    ({"critic": {"lr": 1e-4}}, "['critic']; its keys are served names from policies="), ({"solver": {"lr": 0}}, "policy_config['solver'].lr must be a number > 0, got 0"),
+    ({"solver": {"lr": "fast"}}, "policy_config['solver'].lr must be a number, got 'fast'"),
+    (1e-4, "policy_config must be a mapping, got 0.0001 (its keys are served names")])
+def test_a_learning_rate_for_an_unknown_policy_or_not_a_rate_is_refused(policy_config, named):
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
-    with pytest.raises(ConfigurationError, match="policy_lr") as info:
-        LocalBackend(ensure_tiny_model(), LocalConfig(policy_lr=policy_lr), seed=0, device="cpu",
+    with pytest.raises(ConfigurationError, match="policy_config") as info:
+        LocalBackend(ensure_tiny_model(), LocalConfig(policy_config=policy_config), seed=0, device="cpu",
                      policies=["planner", "solver"])
-    assert named in str(info.value) and "served names" in str(info.value)
+    assert named in str(info.value)
+
+
+def test_a_rate_is_set_one_way():
+    from lightning_rl.trainer_bridge.config import LocalConfig
+
+    with pytest.raises(ConfigurationError, match=r"LocalConfig.policy_lr is not a setting of LocalConfig \(got "
+                                                 r"\{'solver': 0.0002\}\); its settings are: lr, policy_config"):
+        LocalConfig(policy_lr={"solver": 2e-4})
 
 
 def test_a_policy_with_its_own_config_trains_as_a_backend_with_that_config():
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
     own = {"lr": 5e-4, "mini_batch_size": 4, "clip_ratio": 0.1}
     alone = LocalBackend(ensure_tiny_model(), LocalConfig(**own), seed=0, device="cpu")
@@ -89,23 +104,27 @@ def test_a_policy_with_its_own_config_trains_as_a_backend_with_that_config():
     assert solver["optimizer_steps"] == -(-len(samples) // 16) and solver["lr"] == 5e-3  # the shared config
     assert planner["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert planner["pg_clipfrac"] == pytest.approx(expected["pg_clipfrac"])
-    trained, reference = _weights(team, "policy0"), _weights(alone, "default")
+    trained, reference = _weights(team, "policy0"), _weights(alone, "policy0")
     assert all(torch.allclose(trained[k], reference[k], atol=1e-6) for k in reference)
 
 
 @pytest.mark.parametrize("config, named", [
     ({"policy_config": {"critic": {"lr": 1e-4}}}, "critic"),
-    ({"policy_config": {"solver": {"lora_rank": 4}}}, "lora_rank"),
-    ({"policy_config": {"solver": 1e-4}}, "0.0001"),
+    ({"policy_config": {"solver": {"lora_rank": 4}}}, "policy_config['solver'].lora_rank is not a setting of "
+                                                      "PolicyConfig (got 4); its settings are: lr, adv_estimator"),
+    ({"policy_config": {"solver": 1e-4}}, "policy_config['solver'] must be a mapping of settings, got 0.0001"),
     ({"policy_config": {"solver": {"lr": -1.0}}}, "-1.0"),
-    ({"policy_config": {"solver": {"lr": 1e-4}}, "policy_lr": {"solver": 2e-4}}, "two learning rates"),
-    ({"policy_config": [("solver", {"lr": 1e-4})]}, "policy_config must map"),
-    ({"policy_config": {"solver": {"mini_batch_size": 0}}}, "got 0, 16, 1 for policy 'solver'"),
+    ({"policy_config": [("solver", {"lr": 1e-4})]}, "policy_config must be a mapping"),
+    ({"policy_config": {"solver": {"mini_batch_size": 0}}}, "policy_config['solver'].mini_batch_size must be an int "
+                                                            ">= 1, got 0"),
+    ({"policy_config": {"solver": {"adv_estimator": "ppo"}}}, "unknown advantage estimator 'ppo'; known: "),
 ])
 def test_a_policy_config_that_cannot_apply_is_refused(config, named):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig
+    from lightning_rl.errors import LightningRLError
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend
 
-    with pytest.raises(ConfigurationError, match="policy_config|policy_lr|mini_batch_size") as info:
+    with pytest.raises(LightningRLError, match="policy_config|advantage estimator") as info:
         LocalBackend(ensure_tiny_model(), LocalConfig(**config), seed=0, device="cpu", policies=["planner", "solver"])
     assert named in str(info.value)
 
@@ -135,7 +154,7 @@ def test_a_saved_policy_is_its_adapter_alone(tmp_path):
 
 def test_naming_the_policy_is_required_and_checked():
     team = _backend(policies=["planner", "solver"])
-    with pytest.raises(ConfigurationError, match="name the one to update"):
+    with pytest.raises(ConfigurationError, match="name the one to use"):
         team.update(_samples(8))
     with pytest.raises(ConfigurationError, match="no adapter for policy 'critic'"):
         team.update(_samples(8), policy="critic")
@@ -175,13 +194,13 @@ def test_freed_heap_memory_goes_back_to_the_system_after_each_update(monkeypatch
     backend.update(_samples(8), policy="planner")
     backend.update(_samples(8), policy="solver")
     assert len(calls) == 2
-    backend.config.malloc_trim = False
+    backend.config = backend.config.model_copy(update={"malloc_trim": False})
     backend.update(_samples(8), policy="planner")
     assert len(calls) == 2
     alone = _backend()  # one policy: off by default (its peak does not grow), on when asked
     alone.update(_samples(8))
     assert len(calls) == 2
-    alone.config.malloc_trim = True
+    alone.config = alone.config.model_copy(update={"malloc_trim": True})
     alone.update(_samples(8))
     assert len(calls) == 3
 

@@ -16,7 +16,8 @@ pytest.importorskip("peft")
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_engine_and_trainer_logprobs_agree_on_the_same_weights(traced, vllm_url, temperature):
-    from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig, build_batch
+    from lightning_rl.trainer_bridge.config import LocalConfig
+    from lightning_rl.trainer_bridge.local import LocalBackend, build_batch
 
     client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
 

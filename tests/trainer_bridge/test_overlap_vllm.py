@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import lightning_rl as lrl
 from lightning_rl.cli import main as cli
 from lightning_rl.tracer import current_rollout, tracing
-from lightning_rl.trainer_bridge.local import LocalConfig
+from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
 
 from ..conftest import ensure_tiny_model
@@ -77,7 +77,7 @@ def test_overlapped_fit_bounds_staleness_and_a_replay_repeats_its_losses(traced,
 
     # replay: the same store, seed and settings give the same loss sequence, running nothing
     out = tmp_path / "replay"
-    run = CliRunner().invoke(cli, ["train", "--replay", f"sqlite:///{traced.path}", "--model-dir",
+    run = CliRunner().invoke(cli, ["train", "replay", f"sqlite:///{traced.path}", "--model-dir",
                                    str(config["model_dir"]), "--lr", "1e-3", "--seed", "3", "--max-staleness", "1",
                                    "--out", str(out)], catch_exceptions=False)
     assert run.exit_code == 0, run.output

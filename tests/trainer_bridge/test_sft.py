@@ -7,7 +7,8 @@ import json
 import pytest
 
 from lightning_rl.errors import ConfigurationError
-from lightning_rl.trainer_bridge.local import LocalBackend, LocalConfig, build_batch, load_adapter
+from lightning_rl.trainer_bridge.config import LocalConfig
+from lightning_rl.trainer_bridge.local import LocalBackend, build_batch, load_adapter
 from lightning_rl.trainer_bridge.sft import sft_samples
 from lightning_rl.trainer_bridge.trainer import Trainer
 
@@ -47,14 +48,15 @@ def test_sft_lowers_the_loss_and_fit_starts_from_its_adapter(tmp_path):
     stats = trainer.sft(data, epochs=3)
     assert stats["sft_samples"] == 12 and stats["sft_optimizer_steps"] == 9
     assert stats["sft_loss_last_epoch"] < stats["sft_loss_first_epoch"]
-    assert trainer.init_adapter == tmp_path / "run" / "sft_adapter"
+    assert trainer.start_adapter == tmp_path / "run" / "sft_adapter" and trainer.init_adapter is None  # kept apart
     assert json.loads((tmp_path / "run" / "sft.json").read_text())["sft_samples"] == 12
 
     samples = sft_samples(_examples(), model)
     assert all(s.response_mask == [1] * len(s.response_ids) for s in samples)
     fresh = LocalBackend(model, LocalConfig())
     before = _mean_logprob(fresh, samples)
-    load_adapter(fresh, trainer.init_adapter)  # what fit() does first
+    assert trainer._init_adapters() == {"policy": tmp_path / "run" / "sft_adapter"}  # what fit() loads first
+    load_adapter(fresh, trainer.start_adapter)
     after = _mean_logprob(fresh, samples)
     assert after > before + 0.05, (before, after)  # the warm-started policy prefers the demonstrated answers
 
@@ -133,22 +135,21 @@ def test_team_sft_trains_each_policy_on_its_own_agents_examples(tmp_path):
         assert after[policy, agent] > after[other, agent] + 0.75, after  # far more than the other policy did
 
 
-def test_team_sft_refuses_data_that_reaches_no_policy_and_a_one_policy_mapping(tmp_path):
+def test_team_sft_refuses_data_that_reaches_no_policy_and_adapters_of_no_policy(tmp_path):
     model = ensure_tiny_model()
-    trainer = Trainer(agent=lambda task: 0.0, tasks=[1], store=None, model_dir=model, server_url="http://127.0.0.1:9",
-                      out_dir=tmp_path / "run", policies={"planner": "p", "solver": "s"})
+    common = dict(agent=lambda task: 0.0, tasks=[1], store=None, model_dir=model, server_url="http://127.0.0.1:9",
+                  out_dir=tmp_path / "run")
+    trainer = Trainer(**common, policies={"planner": "p", "solver": "s"})
     with pytest.raises(ConfigurationError, match=r"data's agents are \['None'\].*policies' are \['planner', 'solver'\]"):
         trainer.sft(_examples(2))  # examples without an agent
-    trainer.init_adapter = tmp_path
-    with pytest.raises(ConfigurationError, match="holds no adapter folder named after a policy"):
-        trainer._init_adapters()
-    trainer.init_adapter = {"q": tmp_path}
+    with pytest.raises(ConfigurationError, match="holds no adapter folder of a policy this trainer trains"):
+        Trainer(**common, policies={"planner": "p", "solver": "s"}, init_adapter=tmp_path)._init_adapters()
     with pytest.raises(ConfigurationError, match=r"does not train: \['q'\]"):
-        trainer._init_adapters()
-    single = Trainer(agent=lambda task: 0.0, tasks=[1], store=None, model_dir=model, server_url="http://127.0.0.1:9",
-                     out_dir=tmp_path / "one", init_adapter={"p": tmp_path})
-    with pytest.raises(ConfigurationError, match="which is for a team"):
-        single._init_adapters()
+        Trainer(**common, policies={"planner": "p", "solver": "s"}, init_adapter={"q": tmp_path})
+    with pytest.raises(ConfigurationError, match=r"does not train: \['p'\]; its served names are \['policy'\]"):
+        Trainer(**common, init_adapter={"p": tmp_path})  # one policy is a team of one: its name is "policy"
+    with pytest.raises(ConfigurationError, match="holds no adapter folder of a policy"):
+        Trainer(**common, init_adapter=tmp_path)._init_adapters()  # one policy: the folder itself is the adapter
 
 
 def test_the_sft_command_takes_a_team(tmp_path):

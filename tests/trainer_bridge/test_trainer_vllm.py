@@ -9,7 +9,7 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.tracer import tracing
-from lightning_rl.trainer_bridge.local import LocalConfig
+from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.trainer import Trainer
 
 from ..conftest import ensure_tiny_model
@@ -113,6 +113,34 @@ def test_fit_a_team_with_a_policy_per_agent(traced, vllm_url, tmp_path):
     for c in calls:
         by_name.setdefault(c.model, set()).add(c.policy_version)
     assert by_name["planner-lora"] == by_name["solver-lora"] == {0, 1}
+
+
+def test_train_run_trains_a_task_set_from_the_command_line(traced, vllm_url, tmp_path, monkeypatch):
+    """`lightning-rl train run`: the agent by name, the tasks from a file, Trainer.fit underneath."""
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+
+    from .cli_agents import BASE_URL
+
+    monkeypatch.setenv(BASE_URL, vllm_url)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"a": 20 + i, "b": 30 + i}) + "\n" for i in range(3)))
+    try:
+        result = CliRunner().invoke(main, [
+            "train", "run", "--agent", "tests.trainer_bridge.cli_agents:add", "--tasks", str(tasks),
+            "--store", traced.url, "--model-dir", str(ensure_tiny_model()), "--server-url", vllm_url, "--n", "2",
+            "--tasks-per-step", "2", "--steps", "2", "--lr", "1e-3", "--out", str(tmp_path / "run")])
+    finally:
+        tracing._policy_versions.pop("policy", None)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["metrics"] == str(tmp_path / "run" / "metrics.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["policy_version"] for x in lines] == [1, 2]
+    assert all(x["policies"]["policy"]["samples"] == x["samples"] == 4 for x in lines)  # 2 tasks x 2 tries, 1 call
+    assert [p.version for p in traced.policies("policy")] == [0, 1, 2]
+    assert len(traced.rollouts(mode="train")) == 8
 
 
 def test_a_policy_name_the_server_does_not_serve_is_refused(vllm_url):

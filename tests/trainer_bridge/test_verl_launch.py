@@ -1,4 +1,4 @@
-"""`lightning-rl train --backend verl`: version range, the command, and our Hydra config composed with verl's."""
+"""`lightning-rl train verl`: version range, the command, and our Hydra config composed with verl's."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def test_vllm_version_range():
 
 
 def test_print_command_passes_agent_config_and_overrides():
-    result = CliRunner().invoke(main, ["train", "--backend", "verl", "--agent", "pkg.agents:solve", "--print-command",
+    result = CliRunner().invoke(main, ["train", "verl", "--agent", "pkg.agents:solve", "--print-command",
                                        "--store", "sqlite:////shared/runs.db", "trainer.n_gpus_per_node=8"])
     assert result.exit_code == 0, result.output
     assert "-m verl.trainer.main_ppo" in result.output and f"--config-name {CONFIG_NAME}" in result.output
     assert "lightning_rl.agent=pkg.agents:solve" in result.output and result.output.strip().endswith("trainer.n_gpus_per_node=8")
     assert "lightning_rl.store=sqlite:////shared/runs.db" in result.output
-    bad = CliRunner().invoke(main, ["train", "--backend", "verl", "--agent", "no_colon"])
+    bad = CliRunner().invoke(main, ["train", "verl", "--agent", "no_colon"])
     assert bad.exit_code == 1 and "module:function" in bad.output
 
 

@@ -1,0 +1,236 @@
+"""Long-running services and their store: ``store serve|doctor|migrate|openapi``, ``gateway``, ``view``,
+``runner``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ..settings import ENV_GATEWAY_TOKEN, ENV_STORE_TOKEN, ENV_VIEW_TOKEN
+from ._common import STORE_HELP, errors, open_store, when
+
+@click.group("store")
+def store_group() -> None:
+    """Serve a store over HTTP for many runner processes and machines; inspect and upgrade a store."""
+
+
+@store_group.command("serve")
+@click.option("--db", default="lightning_rl.db", show_default=True, help="The SQLite store file to serve.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --token.")
+@click.option("--port", type=int, default=8765, show_default=True)
+@click.option("--token", envvar=ENV_STORE_TOKEN, default=None,
+              help="Bearer token clients must send (default: $LIGHTNING_RL_STORE_TOKEN).")
+@click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Server processes on the port (they parse in parallel and share the SQLite file).")
+@click.option("--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
+              help="full: an acknowledged batch survives a power loss (an fsync per commit); normal: a killed server.")
+@click.option("--log-level", default="warning", show_default=True)
+@errors
+def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: float, workers: int,
+                synchronous: str, log_level: str) -> None:
+    """Serve the store file over HTTP; clients set LIGHTNING_RL_STORE=http://HOST:PORT.
+
+    Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --port 8765 --token $TOKEN
+    """
+    from ..serving import STORE_SERVER, check_bind
+    from ..store.server import serve
+
+    check_bind(STORE_SERVER, host, token)
+    click.echo(f"serving {db} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
+    serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
+          workers=workers, synchronous=synchronous)
+
+
+@store_group.command("doctor")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Quarantined records shown.")
+@click.option("--json", "as_json", is_flag=True, help="The report as one JSON object.")
+@errors
+def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
+    """What a store holds that needs attention: records set aside in its quarantine (with the reason and
+    the original record), spill files not yet written back, and this process's failure counters. Exits 1
+    when something is there. Opens the store read-only: it writes nothing and replays nothing.
+
+    Example: lightning-rl store doctor --store runs.db
+    """
+    from .. import diagnostics
+
+    opened = open_store(store, read_only=True)
+    try:
+        quarantine = opened.quarantined(limit=limit)
+        total = len(opened.quarantined(limit=2**62)) if len(quarantine) >= limit else len(quarantine)
+        spills = [str(p) for p in getattr(opened, "spill_files", [])]
+        report = {"store": opened.url, "quarantined": total, "spill_files": len(spills),
+                  "quarantine": [q.model_dump(mode="json", exclude={"schema_version"}) for q in quarantine],
+                  "spill": spills, "counters": diagnostics.counters()}
+    finally:
+        opened.close()
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        if total:
+            click.echo(f"{total} record(s) quarantined in {report['store']} (they could not be written; the rest "
+                       "of their batches was). Newest first:")
+            for q in quarantine:
+                click.echo(f"  #{q.quarantine_id} {when(q.time)} {q.kind} rollout={q.rollout_id or '-'}: {q.reason}")
+                click.echo(f"      record: {q.payload[:300]}")
+        else:
+            click.echo(f"nothing quarantined in {report['store']}")
+        if spills:
+            click.echo(f"{len(spills)} spill file(s) not yet written back (the next process that opens the store "
+                       f"for writing replays them): {', '.join(spills[:5])}")
+    if total or spills:
+        sys.exit(1)
+
+
+@store_group.command("migrate")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--vacuum", is_flag=True, help="Then rewrite the file to give back the space it no longer uses "
+              "(SQLite's VACUUM: needs as much free disk as the file, and no other process writing meanwhile).")
+@errors
+def store_migrate(store: str | None, vacuum: bool) -> None:
+    """Upgrade a SQLite store file written by an older lightning-rl to this version's schema, in place
+    (what any command that opens it does, the listing and export ones too; the viewer, read-only, does not).
+    A lightning-rl older than the schema can no longer open it afterwards.
+
+    Example: lightning-rl store migrate --store runs.db --vacuum
+    """
+    import sqlite3
+    from pathlib import Path
+
+    from ..store.migrations import latest_version
+    from ..store.sqlite_store import SQLiteStore
+
+    opened = open_store(store)
+    opened.close()
+    latest = latest_version()
+    before = getattr(opened, "schema_found", None)
+    if before and before < latest:
+        click.echo(f"{opened.url}: upgraded from schema {before} to {latest}")
+    else:
+        click.echo(f"{opened.url}: schema {latest}, up to date")
+    if vacuum and isinstance(opened, SQLiteStore):
+        size = Path(opened.path).stat().st_size
+        conn = sqlite3.connect(opened.path)
+        try:
+            conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.close()
+        click.echo(f"{opened.url}: vacuumed, {size:,} -> {Path(opened.path).stat().st_size:,} bytes")
+
+
+@store_group.command("openapi")
+def store_openapi() -> None:
+    """Print the store server's OpenAPI document (JSON).
+
+    Example: lightning-rl store openapi > store-openapi.json
+    """
+    from ..store.server import openapi_schema
+
+    click.echo(openapi_schema())
+
+
+@click.command("gateway")
+@click.option("--upstream", "upstreams", multiple=True, required=True,
+              help="An OpenAI-compatible engine (vLLM), e.g. http://127.0.0.1:8000; repeat for several.")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --token.")
+@click.option("--port", type=int, default=8400, show_default=True)
+@click.option("--token", envvar=ENV_GATEWAY_TOKEN, default=None,
+              help="Bearer token for opening rollouts and late rewards (default: $LIGHTNING_RL_GATEWAY_TOKEN).")
+@click.option("--idle-timeout", type=float, default=3600.0, show_default=True,
+              help="End a rollout as timed out when no call, reward or finish reached it for this many seconds "
+                   "(0: never).")
+@click.option("--log-level", default="warning", show_default=True)
+@errors
+def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int, token: str | None,
+            idle_timeout: float, log_level: str) -> None:
+    """Trace agents in any language: an OpenAI-compatible proxy that records rollouts into the store.
+
+    Open a rollout with POST /v1/rollouts; point the agent's OpenAI client at the base_url (or use the
+    api_key) it answers with; end it with POST /v1/rollouts/{id}/finish.
+
+    Example: lightning-rl gateway --upstream http://127.0.0.1:8000 --store runs.db --port 8400
+    """
+    from .. import _api
+    from ..gateway import Gateway, serve
+    from ..serving import GATEWAY, check_bind
+
+    check_bind(GATEWAY, host, token)
+    proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
+    _api.configure(store=open_store(store))
+    click.echo(f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True)
+    serve(proxy, host=host, port=port, log_level=log_level)
+
+
+@click.command("view")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--metrics", "metrics_dir", default=None, type=click.Path(file_okay=False),
+              help="A folder with training runs' metrics.jsonl (searched below it) for the Training page.")
+@click.option("--tokenizer", default=None, type=click.Path(file_okay=False),
+              help="The served model's directory, to show token text (default: token ids).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Anything but loopback needs --token.")
+@click.option("--port", type=int, default=8500, show_default=True)
+@click.option("--token", envvar=ENV_VIEW_TOKEN, default=None,
+              help="Required beyond loopback; open the viewer with ?token=... (default: $LIGHTNING_RL_VIEW_TOKEN).")
+@errors
+def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host: str, port: int,
+         token: str | None) -> None:
+    """A read-only web UI over a store: rollouts, conversations, tokens, rewards, groups, training curves.
+
+    Example: lightning-rl view --store runs.db --metrics .cache/demo-rl --tokenizer .cache/tiny-qwen2
+    """
+    from ..serving import VIEWER, check_bind
+    from ..viewer.app import serve
+
+    check_bind(VIEWER, host, token)
+    opened = open_store(store, read_only=True)  # the viewer never writes: no migration, no spill replay
+    click.echo(f"viewer on http://{host}:{port} over {opened.url} (read-only)", err=True)
+    serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token)
+
+
+@click.command("runner")
+@click.option("--agent", required=True, help="module:function of the traced agent to run on leased tasks.")
+@click.option("--store", default=None, help=STORE_HELP + " Usually http://HOST:PORT of a store server.")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="Tries run at once.")
+@click.option("--lease-seconds", type=float, default=60.0, show_default=True,
+              help="A try not heartbeaten for this long is given to another runner.")
+@click.option("--rollout-timeout", type=float, default=120.0, show_default=True)
+@click.option("--runner-id", default=None, help="Name in the queue (default: runner-PID-random).")
+@click.option("--idle-exit", type=float, default=None, help="Exit after this many seconds with nothing to do.")
+@click.option("--max-rollouts", type=int, default=None, help="Exit after running this many tries.")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Write a JSON report at exit (tries run, store write latencies).")
+@errors
+def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id, idle_exit, max_rollouts,
+           report) -> None:
+    """Run tries of the store's task queue with a traced agent, until stopped.
+
+    Example: LIGHTNING_RL_STORE=http://10.0.0.5:8765 lightning-rl runner --agent my_pkg.agents:solve
+    """
+    import signal
+
+    from .._api import configure, stats
+    from ..trainer_bridge.runner import Runner, load_agent
+
+    opened = configure(store=store) if store else configure()
+    worker = Runner(opened, load_agent(agent), runner_id=runner_id, concurrency=concurrency,
+                    lease_seconds=lease_seconds, rollout_timeout=rollout_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    click.echo(f"{worker.runner_id}: running {agent} on tasks from {opened.url}", err=True)
+    with worker:
+        ran = worker.serve(idle_exit=idle_exit, max_rollouts=max_rollouts)
+    opened.flush()
+    click.echo(f"{worker.runner_id}: ran {ran} tries", err=True)
+    if report:
+        latencies = list(getattr(opened, "latencies", []))
+        with open(report, "w") as f:
+            json.dump({"runner": worker.runner_id, "ran": ran, "write_latencies_s": latencies,
+                       "counters": stats()}, f)

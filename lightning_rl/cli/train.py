@@ -1,0 +1,207 @@
+"""``lightning-rl train``: one subcommand per way to train, each over one public call.
+
+``train run`` -> ``Trainer(...).fit()`` over a task set; ``train continuous`` ->
+``ContinuousTrainer(...).run()`` on production traffic; ``train replay`` -> ``trainer_bridge.replay``
+on a stored run; ``train verl`` -> ``trainer_bridge.verl_launch.run_verl``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigurationError
+from ._common import STORE_HELP, errors, open_store, policy_map
+
+LOGGER_HELP = ("Also log to an experiment tracker: tensorboard, mlflow or wandb (offline unless WANDB_MODE/"
+               "WANDB_API_KEY say otherwise); repeat for several. metrics.jsonl is always written.")
+POLICY_HELP = "A team: an agent's policy, as in Trainer(policies=...); repeat for each agent."
+TEMPERATURE_HELP = "The agents' sampling temperature: the trainer computes log-probs at it."
+
+
+@click.group("train")
+def train() -> None:
+    """Train the served model: over a task set, from production traffic, on a stored run, or with verl.
+
+    Example: lightning-rl train run --agent my_pkg.agents:solve --tasks tasks.jsonl --model-dir base/ --server-url http://127.0.0.1:8000
+    """
+
+
+def read_tasks(path: str) -> list[Any]:
+    """The tasks of a JSON-lines file, one JSON value a line (blank lines skipped)."""
+    tasks = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                tasks.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ConfigurationError(f"{path}:{n} is not a JSON value ({exc}); give one task per line") from None
+    if not tasks:
+        raise ConfigurationError(f"{path} holds no task; give one JSON value per line")
+    return tasks
+
+
+@train.command("run")
+@click.option("--agent", required=True, help="module:function of the traced agent (sync or async).")
+@click.option("--tasks", "tasks_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSON lines, one task a line (what the agent is called with).")
+@click.option("--eval-tasks", "eval_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Held-out tasks (JSON lines), run before and after training (mode eval).")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="The served base model.")
+@click.option("--server-url", required=True, help="The vLLM server the agent calls (started with --enable-lora).")
+@click.option("--served-name", default="policy", show_default=True, help="The LoRA name the agent calls.")
+@click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED", help=POLICY_HELP)
+@click.option("--out", default=".cache/train", show_default=True, help="Adapters, metrics.jsonl and reward.png.")
+@click.option("--n", type=int, default=8, show_default=True, help="Tries per task (a GRPO group).")
+@click.option("--tasks-per-step", type=int, default=8, show_default=True, help="Groups per update.")
+@click.option("--steps", type=int, default=20, show_default=True, help="Updates.")
+@click.option("--lr", type=float, default=2e-4, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help=TEMPERATURE_HELP)
+@click.option("--credit", default="final", show_default=True, help="Credit assignment of per-call rewards.")
+@click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True)
+@click.option("--concurrency", type=int, default=16, show_default=True, help="Tries run at once.")
+@click.option("--overlap", is_flag=True, help="Keep rollouts running while the trainer updates.")
+@click.option("--max-staleness", type=int, default=None, help="Versions a sample may be behind (default: 1 with "
+              "--overlap, else 0).")
+@click.option("--init-adapter", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Start from this LoRA (what lightning-rl sft writes).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
+@errors
+def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served_name, policies, out, n,
+              tasks_per_step, steps, lr, temperature, credit, level, concurrency, overlap, max_staleness,
+              init_adapter, seed, loggers) -> None:
+    """Train over a task set: each step runs every task n times and updates the LoRA (Trainer.fit).
+
+    Prints the run's summary as JSON; each step's line is in OUT/metrics.jsonl.
+
+    Example: lightning-rl train run --agent my_pkg.agents:solve --tasks tasks.jsonl --eval-tasks held_out.jsonl --model-dir base/ --server-url http://127.0.0.1:8000 --steps 20
+    """
+    from .. import _api
+    from ..trainer_bridge.config import LocalConfig
+    from ..trainer_bridge.runner import load_agent
+    from ..trainer_bridge.trainer import Trainer
+
+    solve = load_agent(agent)
+    tasks, held_out = read_tasks(tasks_path), read_tasks(eval_path) if eval_path else []
+    team = policy_map(policies) or None
+    opened = open_store(store)
+    try:
+        trainer = Trainer(agent=solve, tasks=tasks, eval_tasks=held_out, store=opened, model_dir=model_dir,
+                          server_url=server_url, served_name=served_name, policies=team, out_dir=out, n=n,
+                          tasks_per_step=tasks_per_step, steps=steps, credit=credit, level=level,
+                          concurrency=concurrency, overlap=overlap, max_staleness=max_staleness,
+                          init_adapter=init_adapter, seed=seed, local=LocalConfig(lr=lr, temperature=temperature),
+                          loggers=list(loggers))
+    except BaseException:
+        opened.close()
+        raise
+    _api.configure(store=opened)  # the agent's spans go to the store fit reads
+    result = trainer.fit()
+    opened.flush()
+    trained = [x for x in result.history if "train_reward" in x]
+    click.echo(json.dumps({"steps": len(trained), "train_reward_first": trained[0]["train_reward"] if trained else None,
+                           "train_reward_last": trained[-1]["train_reward"] if trained else None,
+                           "eval_before": result.eval_before, "eval_after": result.eval_after,
+                           "metrics": str(result.metrics_path), "plot": str(result.plot_path)}))
+
+
+@train.command("continuous")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="The served base model.")
+@click.option("--server-url", required=True, help="The vLLM server (started with --enable-lora).")
+@click.option("--served-name", default="policy", show_default=True, help="The LoRA name agents call.")
+@click.option("--out", default=".cache/continuous", show_default=True, help="Adapters, state and metrics.")
+@click.option("--min-new", type=int, default=32, show_default=True, help="Fresh rewarded rollouts per update.")
+@click.option("--max-policy-lag", type=int, default=2, show_default=True, help="Drop rollouts older than this.")
+@click.option("--reward-name", default="reward", show_default=True, help="e.g. user_feedback.")
+@click.option("--lr", type=float, default=2e-4, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              help=TEMPERATURE_HELP + " Calls sampled otherwise are not trained on.")
+@click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between checks.")
+@click.option("--max-updates", type=int, default=None, help="Stop after N updates (default: run forever).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
+@errors
+def train_continuous(store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
+                     temperature, interval, max_updates, seed, loggers) -> None:
+    """Keep training the served LoRA from production rollouts (mode prod) as their rewards arrive.
+
+    Example: lightning-rl train continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --reward-name user_feedback
+    """
+    from ..trainer_bridge.config import LocalConfig
+    from ..trainer_bridge.continuous import ContinuousTrainer
+
+    trainer = ContinuousTrainer(
+        store=open_store(store), model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
+        min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
+        local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
+        loggers=list(loggers))
+    trainer.start()
+    click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
+    trainer.run(interval=interval, max_updates=max_updates)
+
+
+@train.command("replay")
+@click.argument("run_store", metavar="STORE")
+@click.option("--model-dir", required=True, type=click.Path(file_okay=False),
+              help="The base model the run trained (its LoRA starts anew).")
+@click.option("--out", default=".cache/replay", show_default=True, help="Adapters and metrics of the replay.")
+@click.option("--served-name", default=None, help="The policy to replay (default: the run's one served name).")
+@click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED", help=POLICY_HELP)
+@click.option("--lr", type=float, default=2e-4, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help=TEMPERATURE_HELP)
+@click.option("--seed", type=int, default=0, show_default=True, help="The run's seed.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Stop after N updates (default: every batch).")
+@click.option("--tasks-per-step", type=int, default=None,
+              help="Groups per batch, for a store whose publishes do not say what they were trained on.")
+@click.option("--max-staleness", type=int, default=0, show_default=True,
+              help="The run's max_staleness (samples more versions behind are dropped).")
+@click.option("--credit", default="final", show_default=True, help="The run's credit rule.")
+@click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True)
+@click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
+@errors
+def train_replay(run_store, model_dir, out, served_name, policies, lr, temperature, seed, steps, tasks_per_step,
+                 max_staleness, credit, level, loggers) -> None:
+    """Train a fresh LoRA on the batches of a run recorded in STORE, running no agent.
+
+    Prints each update's figures as a JSON line; adapters and metrics.jsonl go to --out.
+
+    Example: lightning-rl train replay runs.db --model-dir base/ --lr 1e-3 --seed 3 --out .cache/replay
+    """
+    from ..trainer_bridge.config import LocalConfig
+    from ..trainer_bridge.replay import replay
+
+    result = replay(run_store, model_dir=model_dir, out_dir=out, served_name=served_name,
+                    policies=policy_map(policies) or None, local=LocalConfig(lr=lr, temperature=temperature),
+                    seed=seed, steps=steps, tasks_per_step=tasks_per_step, max_staleness=max_staleness,
+                    credit=credit, level=level, loggers=list(loggers))
+    for line in result.history:
+        click.echo(json.dumps({k: line.get(k) for k in ("step", "samples", "loss", "pg_clipfrac",
+                                                        "samples_dropped_stale", "policy_version")}))
+    click.echo(f"replayed {len(result.history)} batches from {run_store} into {out}", err=True)
+
+
+@train.command("verl", context_settings={"ignore_unknown_options": True})
+@click.option("--agent", required=True, help="module:function of the traced agent.")
+@click.option("--store", default=None, help=STORE_HELP + " Several nodes: http://HOST:PORT of a store server.")
+@click.option("--print-command", is_flag=True, help="Print the verl command instead of running it.")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@errors
+def train_verl(agent, store, print_command, overrides) -> None:
+    """Train with verl (Ray, GPUs): verl's own trainer over the traced agent, with the packaged Hydra config.
+
+    Any Hydra override can follow (data.train_files=..., trainer.n_gpus_per_node=8, ...).
+
+    Example: lightning-rl train verl --agent my_pkg.agents:solve data.train_files=tasks.parquet trainer.n_gpus_per_node=8
+    """
+    from ..trainer_bridge.verl_launch import run_verl, verl_command
+
+    if print_command:
+        click.echo(" ".join(verl_command(agent, overrides, store=store)))
+        return
+    raise SystemExit(run_verl(agent, overrides, store=store))
