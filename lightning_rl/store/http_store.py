@@ -25,6 +25,7 @@ through ``rollout_data`` and counted here (``store/scan.py``).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import threading
 import time
@@ -37,17 +38,34 @@ from urllib.parse import quote, urlsplit
 import httpx
 import orjson
 
-from ..errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
-from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, Reward, RewardSource, Rollout, RolloutPage,
-                       RolloutQuery, RolloutStatus, Span, SpanRow)
+from ..errors import (
+    ConfigurationError,
+    RolloutNotFoundError,
+    StoreError,
+    TaskNotSerializableError,
+)
+from ..records import (
+    PolicyRecord,
+    QuarantinedRecord,
+    QueueEntry,
+    Reward,
+    RewardSource,
+    Rollout,
+    RolloutPage,
+    RolloutQuery,
+    RolloutStatus,
+    Span,
+    SpanRow,
+)
 from ..settings import ENV_SPILL_DIR, ENV_STORE_TOKEN, Settings
 from . import checks, scan, wire
+from .http_writes import PROBE_EVERY, REPLAY, BatchSender
 from .lifecycle import track
 from .ops import EncodedSpan, FinishRollout, Op, StartRollout, TracedSpan, WriteReward
 from .rows import span_record_values
-from .http_writes import PROBE_EVERY, REPLAY, BatchSender
 from .spill import SpillFiles
 from .writer import BackgroundWriter
+
 
 def _default_spill_dir(url: str) -> Path:
     configured = os.environ.get(ENV_SPILL_DIR)
@@ -218,8 +236,8 @@ class HttpStore:
         return Rollout.model_validate(data)
 
     def rollouts(self, *, mode: str | None = None, status: str | RolloutStatus | None = None,
-                 since: Any = None, min_policy_version: int | None = None, limit: int | None = None,
-                 newest_first: bool = False) -> list[Rollout]:
+                 since: float | dt.datetime | None = None, min_policy_version: int | None = None,
+                 limit: int | None = None, newest_first: bool = False) -> list[Rollout]:
         mode, status, since = checks.rollout_filters(mode, status, since, min_policy_version, limit)
         data = self._request("GET", "/rollouts", params=dict(
             mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit,

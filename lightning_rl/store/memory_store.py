@@ -7,16 +7,39 @@ a scan (``store/scan.py``).
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..diagnostics import count
-from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, QueueStatus, Reward, RewardSource, Rollout,
-                       RolloutPage, RolloutQuery, RolloutStatus, Span, SpanRow, allowed_from)
+from ..records import (
+    PolicyRecord,
+    QuarantinedRecord,
+    QueueEntry,
+    QueueStatus,
+    Reward,
+    RewardSource,
+    Rollout,
+    RolloutPage,
+    RolloutQuery,
+    RolloutStatus,
+    Span,
+    SpanRow,
+    allowed_from,
+)
 from . import checks, scan, task_queue
-from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
+from .ops import (
+    EncodedSpan,
+    ExpireTry,
+    FinishRollout,
+    Op,
+    Quarantine,
+    StartRollout,
+    TracedSpan,
+    WriteReward,
+)
 from .quarantine import describe, record_problem
 from .rows import span_from_values, span_record_values, span_values
 
@@ -145,8 +168,8 @@ class InMemoryStore:
         return rollout
 
     def rollouts(self, *, mode: str | None = None, status: str | RolloutStatus | None = None,
-                 since: Any = None, min_policy_version: int | None = None, limit: int | None = None,
-                 newest_first: bool = False) -> list[Rollout]:
+                 since: float | dt.datetime | None = None, min_policy_version: int | None = None,
+                 limit: int | None = None, newest_first: bool = False) -> list[Rollout]:
         mode, status, since = checks.rollout_filters(mode, status, since, min_policy_version, limit)
         with self._lock:
             rows = list(self._rollouts.values())  # insertion order = start order

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import sqlite3
 import threading
@@ -30,14 +31,35 @@ from typing import Any
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
-from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, Reward, RewardSource, Rollout, RolloutPage,
-                       RolloutQuery, RolloutStatus, Span, SpanRow)
+from ..records import (
+    PolicyRecord,
+    QuarantinedRecord,
+    QueueEntry,
+    Reward,
+    RewardSource,
+    Rollout,
+    RolloutPage,
+    RolloutQuery,
+    RolloutStatus,
+    Span,
+    SpanRow,
+)
 from ..settings import Settings, check_synchronous
-from . import checks, sqlite_reads as sql, task_queue, wire
+from . import checks, task_queue, wire
+from . import sqlite_reads as sql
 from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
 from .lifecycle import track
 from .migrations import latest_version, migrate
-from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
+from .ops import (
+    EncodedSpan,
+    ExpireTry,
+    FinishRollout,
+    Op,
+    Quarantine,
+    StartRollout,
+    TracedSpan,
+    WriteReward,
+)
 from .quarantine import describe, insert_quarantine, is_record_error, read_quarantine
 from .rows import span_record_values
 from .spill import SpillFiles, claim_folder, forget_claims, release_folder
@@ -295,8 +317,8 @@ class SQLiteStore:
         return rollout
 
     def rollouts(self, *, mode: str | None = None, status: str | RolloutStatus | None = None,
-                 since: Any = None, min_policy_version: int | None = None, limit: int | None = None,
-                 newest_first: bool = False) -> list[Rollout]:
+                 since: float | dt.datetime | None = None, min_policy_version: int | None = None,
+                 limit: int | None = None, newest_first: bool = False) -> list[Rollout]:
         mode, status, since = checks.rollout_filters(mode, status, since, min_policy_version, limit)
         with self._rlock:
             return sql.query_rollouts(self._rconn, mode=mode, status=status, since=since,

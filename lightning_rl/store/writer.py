@@ -12,8 +12,8 @@ says whether it was applied.
 
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
-cannot bind, a record another version spilled) is not retried: it is split in halves, down to the
-ops that fail on their own, which go to ``quarantine`` with the error; the rest is written.
+cannot bind) is not retried: it is split in halves, down to the ops that fail on their own, which go
+to ``quarantine`` with the error; the rest is written.
 """
 
 from __future__ import annotations
