@@ -201,7 +201,6 @@ class HttpStore:
         self._writable("add_spans")
         self.write_batch([EncodedSpan(span_record_values(s)) for s in spans])
 
-    # -- the writer thread -------------------------------------------------------------------------
     # -- requests ----------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
                  not_found_ok: bool = False) -> Any:
