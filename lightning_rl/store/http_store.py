@@ -279,7 +279,10 @@ class HttpStore:
         return scan.llm_call_counts(self, rollout_ids)
 
     def last_activity(self, rollout_id: str) -> float | None:
-        ((_, spans, rewards),) = self.rollout_data([rollout_id])
+        try:
+            ((_, spans, rewards),) = self.rollout_data([rollout_id])
+        except RolloutNotFoundError:  # nothing reached a rollout that is not there
+            return None
         return scan.last_activity(spans, rewards)
 
     def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:

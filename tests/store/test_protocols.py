@@ -85,7 +85,7 @@ def test_the_queries_answer_the_same_over_every_store(store):
     assert store.rollout_ids_with_prefix("alpha", 11) == ["alpha-1", "alpha-2"]
     assert store.rollout_ids_with_prefix("alpha", 1) == ["alpha-1"]
     assert store.llm_call_counts(["alpha-1", "alpha-2", "beta", "nope"]) == {"alpha-1": 2, "alpha-2": 0, "beta": 1}
-    assert store.last_activity("alpha-2") is None
+    assert store.last_activity("alpha-2") is None and store.last_activity("nope") is None
     assert store.last_activity("alpha-1") == pytest.approx(now - 20)  # the reward came after its spans ended
 
     assert resolve_rollout_id(store, "alpha-1") == "alpha-1"
