@@ -123,3 +123,20 @@ def test_running_rollouts_nothing_reached_for_the_idle_time_end_timed_out(store)
     assert sorted(expire_idle_running(store, 60, now=now + 60)) == ["fresh", "held", "rewarded", "spanned", "traced"]
     with pytest.raises(lrl.ConfigurationError, match="idle_seconds must be a number of seconds > 0"):
         expire_idle_running(store, 0)
+
+
+def test_token_arrays_given_as_attributes_are_kept_as_attributes_and_read_as_the_calls_tokens(store):
+    """Tokens travel in ``Span.tokens``; a span whose arrays are attributes (the conventions' names) is
+    stored as it came, not repacked, and assembly still reads its call's tokens from them."""
+    from lightning_rl import semconv
+
+    span = llm_span("r1", 0, 0, [1, 2], [3], source="engine")
+    span.attributes.update({semconv.PROMPT_TOKEN_IDS: [5, 6], semconv.RESPONSE_TOKEN_IDS: [7],
+                            semconv.RESPONSE_LOGPROBS: [-0.25]})
+    span.tokens = None
+    store.start_rollout(rollout("r1"))
+    store.add_spans([span])
+    (stored,) = store.spans("r1")
+    assert stored.tokens is None and stored.attributes[semconv.PROMPT_TOKEN_IDS] == [5, 6]
+    (call,) = lrl.trajectory(store, "r1").llm_calls
+    assert (call.prompt_token_ids, call.response_token_ids, call.response_logprobs) == ([5, 6], [7], [-0.25])
