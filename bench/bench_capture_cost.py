@@ -107,7 +107,7 @@ def measure(prompt: int, response: int, calls: int, rounds: int, tmp: Path) -> d
     (rollout,) = [r for r in store.rollouts() if r.status == "succeeded"][-1:]
     rows = len(store.spans(rollout.rollout_id))
     expected = (rounds + 1) * calls + 1
-    last = store.trajectory(rollout.rollout_id).llm_calls[-1]
+    last = lrl.trajectory(store, rollout.rollout_id).llm_calls[-1]
     assert len(last.prompt_token_ids) == prompt and len(last.response_token_ids) == response, "tokens not recorded"
     assert last.response_logprobs is not None and len(last.response_logprobs) == response
     store.close()

@@ -127,7 +127,7 @@ def run(turns: int, context: int, first_prompt: int, response: int, observation:
     text_bytes = len(orjson.dumps(sent["messages"])) + len(sent["reply"].encode())
     reference = 4 * final_tokens + 4 * turns * response + text_bytes
     with lrl.open_store(f"sqlite:///{db}") as reread:  # what was stored reads back whole
-        calls = reread.trajectory(rollout_id).llm_calls
+        calls = lrl.trajectory(reread, rollout_id).llm_calls
     if len(calls) != turns:
         sys.exit(f"MISMATCH ({turns} turns): {len(calls)} LLM calls read back (records quarantined? "
                  f"see `lightning-rl store doctor --store {db}`)")

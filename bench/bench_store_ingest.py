@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Store ingest speed: ``SQLiteStore.add_spans`` against raw batched SQLite inserts of the same spans.
 
-Measured: spans (pydantic ``Span`` records with LLM-call attributes) handed to ``add_spans`` in
+Measured: spans (pydantic ``Span`` records with LLM-call attributes and tokens) handed to ``add_spans`` in
 batches of 1000, through JSON encoding, the background writer and batched transactions, durable
 on return. Baseline: ``executemany`` of the already-encoded rows into the same table schema
 (same indexes, WAL, synchronous=NORMAL), one transaction per 1000. Blocks alternate; CPU time.
@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_rounds, report, summary  # noqa: E402
 
 from lightning_rl import semconv  # noqa: E402
-from lightning_rl.records import Span  # noqa: E402
+from lightning_rl.records import Span, SpanTokens  # noqa: E402
 from lightning_rl.store import SQLiteStore  # noqa: E402
 from lightning_rl.store.rows import span_record_values  # noqa: E402
-from lightning_rl.store.sqlite_store import _INSERT_SPAN  # noqa: E402
+from lightning_rl.store.sqlite_writes import INSERT_SPAN  # noqa: E402
 
 BATCH = 1000
 
@@ -34,12 +34,12 @@ BATCH = 1000
 def make_spans(n: int, rollout: str) -> list[Span]:
     attrs = {
         semconv.GEN_AI_OPERATION_NAME: "chat", semconv.GEN_AI_REQUEST_MODEL: "tiny",
-        semconv.TOKEN_IDS_SOURCE: "engine", semconv.PROMPT_TOKEN_IDS: list(range(64)),
-        semconv.RESPONSE_TOKEN_IDS: list(range(16)), semconv.RESPONSE_LOGPROBS: [-0.5] * 16,
+        semconv.TOKEN_IDS_SOURCE: "engine",
         semconv.GEN_AI_INPUT_MESSAGES: orjson.dumps([{"role": "user", "content": "What is 12+30?"}]).decode(),
     }
     return [Span(rollout_id=rollout, seq=i, trace_id="%032x" % 1, span_id="%016x" % (i + 1), name="chat tiny",
-                 kind="CLIENT", start_ns=i, end_ns=i + 1, attributes={**attrs, semconv.LLM_CALL_INDEX: i})
+                 kind="CLIENT", start_ns=i, end_ns=i + 1, attributes={**attrs, semconv.LLM_CALL_INDEX: i},
+                 tokens=SpanTokens(prompt_ids=list(range(64)), response_ids=list(range(16)), response_logprobs=[-0.5] * 16))
             for i in range(n)]
 
 
@@ -60,7 +60,7 @@ def main() -> None:
         rows = encoded.pop(min(encoded))
         for start in range(0, len(rows), BATCH):
             raw.execute("BEGIN IMMEDIATE")
-            raw.executemany(_INSERT_SPAN, rows[start:start + BATCH])
+            raw.executemany(INSERT_SPAN, rows[start:start + BATCH])
             raw.execute("COMMIT")
         return len(rows)
 

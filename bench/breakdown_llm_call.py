@@ -28,6 +28,7 @@ from bench_span_cost import chat_request, fake_vllm_response  # noqa: E402
 
 import lightning_rl as lrl  # noqa: E402
 from _common import adapter_call  # noqa: E402
+from lightning_rl.store.ops import TracedSpan  # noqa: E402
 from lightning_rl.store.rows import span_values  # noqa: E402
 from lightning_rl.tracer.provider import tracing  # noqa: E402
 
@@ -86,7 +87,7 @@ def main() -> None:
     rows = [dataclasses.replace(r, rollout_id="apply-" + r.rollout_id) for r in keep.rows]
     t3 = time.process_time()
     for i in range(0, n, 100):
-        store._apply([("span", r) for r in rows[i:i + 100]])
+        store._apply([TracedSpan(r) for r in rows[i:i + 100]])
     t4 = time.process_time()
     out.update(encode=(t1 - t0), prefix_check=(t2 - t1), writer_apply=(t4 - t3))
     bare = TracerProvider().get_tracer("bench")

@@ -3,7 +3,7 @@
 
 500-op batches as HttpStore sends them (128+32-token LLM spans, tokens packed), through the same
 functions the server's ``/batch`` route calls: parse (pydantic, strict JSON), ``check_ops``,
-``to_store_items`` and ``SQLiteStore.write_batch``. CPU microseconds per span; no HTTP. The
+``to_ops`` and ``SQLiteStore.write_batch``. CPU microseconds per span; no HTTP. The
 garbage collector is tuned as the server's workers tune it (without that, collections during the
 parse add about half again to its figure).
 
@@ -24,6 +24,7 @@ from _server_payload import llm_attributes  # noqa: E402
 
 from lightning_rl.records import Rollout, SpanRow  # noqa: E402
 from lightning_rl.store import wire  # noqa: E402
+from lightning_rl.store.ops import StartRollout, TracedSpan  # noqa: E402
 from lightning_rl.store.rows import lift_token_attributes  # noqa: E402
 from lightning_rl.store.server import _tune_gc  # noqa: E402
 from lightning_rl.store.sqlite_store import SQLiteStore  # noqa: E402
@@ -37,11 +38,11 @@ def main() -> None:
     payloads = [lift_token_attributes(llm_attributes(128, 32, seed)) for seed in range(16)]
 
     def body(r: int) -> bytes:
-        ops = [wire.encode_rollout(Rollout(rollout_id=f"r{r}", name="bench"))]
+        ops = [wire.encode(StartRollout(Rollout(rollout_id=f"r{r}", name="bench")))]
         for seq in range(499):
             attrs, tokens = payloads[seq % 16]
-            ops.append(wire.encode_span(SpanRow(f"r{r}", seq, 5, seq + 1, None, "chat tiny", "CLIENT", 1, 2, "OK",
-                                                None, attrs, (), tokens)))
+            ops.append(wire.encode(TracedSpan(SpanRow(f"r{r}", seq, 5, seq + 1, None, "chat tiny", "CLIENT", 1, 2,
+                                                      "OK", None, attrs, (), tokens))))
         return wire.batch_body(ops)
 
     bodies = [body(r) for r in range(args.batches)]
@@ -53,7 +54,7 @@ def main() -> None:
             t1 = time.process_time()
             errors, _, _, _ = wire.check_ops(batch.ops)
             t2 = time.process_time()
-            items = wire.to_store_items(batch.ops)
+            items = wire.to_ops(batch.ops)
             t3 = time.process_time()
             store.write_batch(items)
             t4 = time.process_time()

@@ -118,10 +118,10 @@ def main() -> None:
         print(f"\n=== export (lightning-rl export --level trajectory --store {db} -o {samples_path}) ===")
         cli(["export", "--level", "trajectory", "--store", str(db), "-o", str(samples_path)], standalone_mode=False)
 
-        trajectories = list(store.trajectories())
+        trajectories = list(lrl.trajectories(store))
         calls = [c for t in trajectories for c in t.llm_calls]
         with_ids = sum(1 for c in calls if c.token_ids_source == "engine")
-        samples, stats = store.samples(level="trajectory")
+        samples, stats = lrl.samples(store, level="trajectory")
         summary = {
             "rollouts": len(trajectories),
             "succeeded": sum(t.status == "succeeded" for t in trajectories),

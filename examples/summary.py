@@ -5,9 +5,9 @@ from __future__ import annotations
 
 def summarize(store, rollout_ids: list[str], train_agent: str = "solver") -> dict:
     """One JSON line: rollouts, mean reward, LLM calls per agent, engine-id coverage, per-agent samples."""
-    from lightning_rl.store import trajectory_samples
+    from lightning_rl.store import trajectory, trajectory_samples
 
-    trajectories = [store.trajectory(r) for r in rollout_ids]
+    trajectories = [trajectory(store, r) for r in rollout_ids]
     calls = [c for t in trajectories for c in t.llm_calls]
     per_agent: dict[str, int] = {}
     for c in calls:

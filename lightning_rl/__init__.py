@@ -43,7 +43,7 @@ from .records import (
     ToolCall,
     Trajectory,
 )
-from .store import InMemoryStore, SQLiteStore, Store, register_credit
+from .store import InMemoryStore, SQLiteStore, Store, register_credit, samples, trajectories, trajectory
 from .tracer import agent_scope, current_endpoint, current_rollout_id, emit_reward, rollout_overrides, tool_span, trace
 
 __version__ = "0.1.0"
@@ -124,8 +124,11 @@ __all__ = [
     "register_credit",
     "replay",
     "rollout_overrides",
+    "samples",
     "set_policy_version",
     "stats",
     "tool_span",
     "trace",
+    "trajectories",
+    "trajectory",
 ]

@@ -204,8 +204,8 @@ class GroupJudge:
             todo = [row.rollout for row in rows if row.reward is None]
             if not todo:
                 continue
-            trajectories = [store.trajectory(r.rollout_id) for r in todo]
-            answers = [t.llm_calls[-1].response_text if t.llm_calls else "" for t in trajectories]
+            spans_of = {r.rollout_id: store.spans(r.rollout_id) for r in todo}
+            answers = [last_answer(spans_of[r.rollout_id]) for r in todo]
             started = time.time_ns()
             scores, info = self.score(todo[0].task, answers)
             ended = time.time_ns()
@@ -216,7 +216,7 @@ class GroupJudge:
                          "lightning_rl.judge.group_size": len(todo)}
                 if scores is not None:
                     attrs["lightning_rl.judge.score"] = scores[i]
-                spans = store.spans(rollout.rollout_id)
+                spans = spans_of[rollout.rollout_id]
                 root = next((s for s in spans if s.parent_id is None), None)
                 store.add_spans([Span(
                     rollout_id=rollout.rollout_id, seq=max((s.seq for s in spans), default=-1) + 1,
@@ -234,6 +234,30 @@ class GroupJudge:
                 done["judged_groups"] += 1
                 done["judge_rewarded_rollouts"] += len(todo)
         return done
+
+
+def last_answer(spans: Sequence[Span]) -> str:
+    """What a rollout answered: the text of its last LLM call's output messages (the call with the highest
+    ``lightning_rl.llm_call.index``, as the assembly orders calls); "" when it made none, or the messages
+    are not a JSON list of message objects."""
+    calls = [s for s in spans if isinstance(op := s.attributes.get(semconv.GEN_AI_OPERATION_NAME), str)
+             and op in semconv.LLM_OPERATIONS]
+    if not calls:
+        return ""
+
+    def index(span: Span) -> tuple[int, int]:
+        found = span.attributes.get(semconv.LLM_CALL_INDEX)
+        return (found if isinstance(found, int) and not isinstance(found, bool) else span.seq, span.seq)
+
+    messages = max(calls, key=index).attributes.get(semconv.GEN_AI_OUTPUT_MESSAGES)
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError:
+            return ""
+    if not isinstance(messages, list):
+        return ""
+    return "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def unrewarded_groups(store: Any, *, mode: str | None = None,

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl import diagnostics
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.judge import SCALE, GroupJudge, response_format
@@ -49,7 +50,7 @@ def test_a_group_is_scored_once_cached_and_rewarded_with_judge_spans(vllm_url, t
     for i in range(3):
         (reward,) = store.rewards(f"t{i}")
         assert reward.source.value == "function" and reward.value == scores[i]
-        trajectory = store.trajectory(f"t{i}")
+        trajectory = lrl.trajectory(store, f"t{i}")
         assert len(trajectory.llm_calls) == 1  # the judge's call is not a training sample
         (span,) = [s for s in store.spans(f"t{i}") if s.attributes.get("gen_ai.operation.name") == "judge"]
         assert span.attributes["lightning_rl.judge.score"] == scores[i] and span.attributes["lightning_rl.judge.cached"]

@@ -78,4 +78,4 @@ def test_a_returned_score_stores_the_total_and_each_part_by_name_and_emit_works_
     stored = {(r.name, r.source.value): r.value for r in traced.rewards(rollout.rollout_id)}
     assert stored == {("reward", "returned"): 0.5, ("numeric_match", "returned"): 1.0,
                       ("length_penalty", "returned"): -1.0, ("step", "emitted"): 1.0, ("tool_use", "emitted"): 1.0}
-    assert traced.trajectory(rollout.rollout_id).final_reward == 0.5  # training reads the total
+    assert lrl.trajectory(traced, rollout.rollout_id).final_reward == 0.5  # training reads the total

@@ -155,7 +155,7 @@ def test_a_task_too_deep_or_too_big_is_recorded_in_a_safe_form_and_never_raised(
     assert isinstance(deep.task, str) and deep.task.startswith("[[[[") and len(deep.task) <= 1100
     assert big.task == {"n": str(2**70)}
     assert rollouts["fine"].status == RolloutStatus.SUCCEEDED
-    assert [t.final_reward for t in traced.trajectories()] == [1.0, 1.0, 0.5]
+    assert [t.final_reward for t in lrl.trajectories(traced)] == [1.0, 1.0, 0.5]
     assert lrl.stats()["task_values_made_storable"] == 2
 
 
@@ -192,7 +192,7 @@ def test_a_record_sqlite_cannot_bind_is_quarantined_and_the_rest_is_written(trac
     assert agent("x") == 1.0
     assert time.monotonic() - t0 < 2.0  # before: the writer retried 30 s, then spilled this and all after it
     rid = traced.rollouts()[0].rollout_id
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     assert traj.status == RolloutStatus.SUCCEEDED and traj.final_reward == 1.0
     assert [s.name for s in traj.tool_spans] == ["execute_tool calculator"]
     (q,) = traced.quarantined()
@@ -339,8 +339,8 @@ def test_a_chat_request_the_assembly_cannot_read_is_refused_before_the_engine(ga
     assert gateway.engine.state.hits == 0
     httpx.post(f"{gateway.url}/v1/rollouts/{opened['rollout_id']}/finish", json={},
                headers={"authorization": f"Bearer {opened['api_key']}"})
-    list(traced.trajectories())
-    traced.samples()
+    list(lrl.trajectories(traced))
+    lrl.samples(traced)
 
 
 def test_credentials_are_checked_the_same_whether_or_not_the_rollout_exists(gateway, traced):
@@ -404,9 +404,9 @@ def test_reads_skip_what_they_cannot_read_instead_of_failing_for_everyone(tmp_pa
     good.flush()
     for i, attributes in enumerate(MALFORMED):
         _plant(db, f"bad{i}", attributes)
-    trajectories = list(good.trajectories())  # before: TypeError: unhashable type: 'list' (or pydantic errors)
+    trajectories = list(lrl.trajectories(good))  # before: TypeError: unhashable type: 'list' (or pydantic errors)
     assert len(trajectories) == 1 + len(MALFORMED)
-    samples, _ = good.samples(include_unrewarded=True)
+    samples, _ = lrl.samples(good, include_unrewarded=True)
     out = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "export", "--store", str(db), "--format", "chat",
                           "--include-unrewarded"], capture_output=True, text=True)
     assert "Traceback" not in out.stderr, out.stderr

@@ -52,7 +52,7 @@ def main() -> None:
             eval_tasks=held_out, eval_n=1, eval_agent=node_agent(server.url, 0.0), local=lrl.LocalConfig(lr=args.lr),
             seed=args.seed, loggers=args.logger)
         result = trainer.fit()
-        calls = [c for t in store.trajectories(mode="train") for c in t.llm_calls]
+        calls = [c for t in lrl.trajectories(store, mode="train") for c in t.llm_calls]
     minutes = (time.time() - started) / 60
     engine_ids = sum(c.token_ids_source == "engine" for c in calls)
     print(f"\nheld-out success of the Node.js agent: {result.eval_before:.2f} before -> {result.eval_after:.2f} after "

@@ -56,9 +56,11 @@ def export(store, fmt, level, credit, agents, mode, min_policy_version, include_
         return
     if min_reward is not None or max_reward is not None or best_of_group:
         raise ConfigurationError("--min-reward, --max-reward and --best-of-group go with --format chat")
+    from ..store import samples as read_samples
+
     with open_store(store) as s:
-        samples, stats = s.samples(
-            level=level, agents=agents, include_unrewarded=include_unrewarded, credit=credit,
+        samples, stats = read_samples(
+            s, level=level, agents=agents, include_unrewarded=include_unrewarded, credit=credit,
             mode=mode, min_policy_version=min_policy_version,
         )
     if not samples:

@@ -75,8 +75,10 @@ def rollouts_expire(store: str | None, idle: float, origin: str | None) -> None:
 
     Example: lightning-rl rollouts expire --idle 3600 --store runs.db
     """
+    from ..store import expire_idle_running
+
     with open_store(store) as s:
-        ended = s.expire_idle_running(idle, origin=origin)
+        ended = expire_idle_running(s, idle, origin=origin)
     for rollout_id in ended:
         click.echo(rollout_id)
     click.echo(f"{len(ended)} running rollout(s) idle for {idle:g} s or more ended as timed_out", err=True)
@@ -94,8 +96,10 @@ def rollouts_show(rollout_id: str, store: str | None, credit: str, as_json: bool
 
     Example: lightning-rl rollouts show 3f2a9c1b07de --store runs.db
     """
+    from ..store import resolve_rollout_id, trajectory
+
     with open_store(store) as s:
-        t = s.trajectory(s.resolve_rollout_id(rollout_id), credit=credit)
+        t = trajectory(s, resolve_rollout_id(s, rollout_id), credit=credit)
     if as_json:
         click.echo(t.model_dump_json(indent=2))
         return

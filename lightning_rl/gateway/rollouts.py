@@ -19,6 +19,7 @@ from ..diagnostics import count, report_failure
 from ..errors import GatewayError, InvalidRewardError, check_reward
 from ..records import Reward, RewardSource, Rollout, RolloutStatus, SpanRow
 from ..settings import MODES
+from ..store.queries import expire_idle_running
 from ..tracer.context import RolloutState, rollout_scope
 from ..tracer.provider import tracing
 
@@ -193,7 +194,7 @@ class Rollouts:
         ends it itself. Runs when the gateway starts and with each idle sweep."""
         if self.idle_timeout is None:
             return []
-        ended = self.store.expire_idle_running(self.idle_timeout, origin=ORIGIN, keep=set(self.rollouts), now=now)
+        ended = expire_idle_running(self.store, self.idle_timeout, origin=ORIGIN, keep=set(self.rollouts), now=now)
         if ended:
             count("gateway_orphans_timed_out", len(ended))
         return ended

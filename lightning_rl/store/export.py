@@ -20,7 +20,7 @@ from typing import Any
 from .. import semconv
 from ..errors import ConfigurationError
 from .assembly import assemble
-from .samples import _agent_filter
+from .training_samples import _agent_filter
 
 
 @dataclass
@@ -65,7 +65,7 @@ def chat_examples(store: Any, *, mode: str | None = None, agents: str | Sequence
     stats = ChatExportStats()
     examples: list[dict[str, Any]] = []
     rollouts = store.rollouts(mode=mode, status="succeeded", min_policy_version=min_policy_version)
-    for rollout, spans, rewards in store._with_data(rollouts):
+    for rollout, spans, rewards in store.rollout_data([r.rollout_id for r in rollouts]):
         stats.rollouts_read += 1
         traj = assemble(rollout, spans, rewards, reward_name=reward_name)
         reward = traj.final_reward

@@ -1,22 +1,55 @@
-"""InMemoryStore: the same contract as SQLiteStore, kept in memory (tests, quick experiments)."""
+"""InMemoryStore: the same contract as SQLiteStore, kept in memory (tests, quick experiments).
+
+Writes are the writer's ops (``store/ops.py``), applied at once under a lock; what a SQLite store could
+not hold is quarantined here too (one contract). Index questions and the rollout page are answered by
+a scan (``store/scan.py``).
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..diagnostics import count
-from ..records import (PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutStatus, Span, SpanRow,
-                       allowed_from)
-from .base import Store
+from ..records import (
+    PolicyRecord,
+    QuarantinedRecord,
+    QueueEntry,
+    QueueStatus,
+    Reward,
+    RewardSource,
+    Rollout,
+    RolloutPage,
+    RolloutQuery,
+    RolloutStatus,
+    Span,
+    SpanRow,
+    allowed_from,
+)
+from . import checks, scan, task_queue
+from .ops import (
+    EncodedSpan,
+    ExpireTry,
+    FinishRollout,
+    Op,
+    Quarantine,
+    StartRollout,
+    TracedSpan,
+    WriteReward,
+)
 from .quarantine import describe, record_problem
-from .rows import legacy_span_values, span_from_values, span_record_values, span_values
+from .rows import span_from_values, span_record_values, span_values
 
 
-class InMemoryStore(Store):
+class InMemoryStore:
+    """A store in this process's memory (every protocol of ``store/protocols.py``)."""
+
     def __init__(self) -> None:
         self.url = "memory://"
+        self.read_only = False
         self._lock = threading.Lock()
         self._rollouts: dict[str, Rollout] = {}
         self._spans: dict[str, dict[int, Span]] = {}
@@ -28,32 +61,33 @@ class InMemoryStore(Store):
         self._qlock = threading.Lock()
         self._quarantine: list[QuarantinedRecord] = []
 
-    # sink
-    def start_rollout(self, rollout: Rollout) -> None:
-        with self._lock:
-            self._rollouts.setdefault(rollout.rollout_id, rollout.model_copy())
-
-    def write_span(self, row: SpanRow) -> None:
-        problem = record_problem("span", row)
+    # -- writes: every op applied at once -------------------------------------------------------------
+    def _apply(self, op: Op) -> None:
+        problem = record_problem(op)
         if problem:  # what a SQLite store could not hold is set aside here too: one contract
-            self._set_aside("span", row, ValueError(problem))
+            self._set_aside(describe(op, ValueError(problem)))
             return
-        span = span_from_values(span_values(row))  # the same JSON round trip as the SQLite store
-        with self._lock:
-            self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+        kind = type(op)
+        if kind is TracedSpan or kind is EncodedSpan:
+            # the same row round trip as the SQLite store (messages lifted, tokens packed)
+            span = span_from_values(span_values(op.row) if kind is TracedSpan else op.values)
+            with self._lock:
+                self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+        elif kind is StartRollout:
+            with self._lock:
+                self._rollouts.setdefault(op.rollout.rollout_id, op.rollout.model_copy())
+        elif kind is WriteReward:
+            self._add_reward(op.reward)
+        elif kind is FinishRollout:
+            self._finish(op)
+        elif kind is ExpireTry:
+            self._expire(op.tombstone)
+        elif kind is Quarantine:
+            self._set_aside(op)
+        else:
+            raise TypeError(f"not a writer op: {op!r:.80}")
 
-    def _set_aside(self, kind: str, payload: Any, exc: BaseException) -> None:
-        rollout_id, reason, text = describe(kind, payload, exc)
-        with self._lock:
-            self._quarantine.append(QuarantinedRecord(quarantine_id=len(self._quarantine) + 1, time=time.time(),
-                                                      kind=kind, rollout_id=rollout_id, reason=reason, payload=text))
-        count("records_quarantined")
-
-    def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
-        with self._lock:
-            return list(reversed(self._quarantine))[:limit]
-
-    def write_reward(self, reward: Reward) -> None:
+    def _add_reward(self, reward: Reward) -> None:
         with self._lock:
             if reward.uid in self._reward_uids:
                 return
@@ -61,55 +95,82 @@ class InMemoryStore(Store):
             self._reward_log.append((reward.rollout_id, reward.name))
             self._rewards.setdefault(reward.rollout_id, []).append(reward)
 
-    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
-                       policy_version: int | None = None) -> None:
+    def _finish(self, op: FinishRollout) -> None:
         with self._lock:
-            rollout = self._rollouts.get(rollout_id)
-            if rollout is None or rollout.status not in allowed_from(status):
+            rollout = self._rollouts.get(op.rollout_id)
+            if rollout is None or rollout.status not in allowed_from(op.status):
                 count("rejected_status_transitions")
                 return
-            self._rollouts[rollout_id] = rollout.model_copy(
-                update={"status": RolloutStatus(status), "end_time": end_time, "error": error,
-                        "policy_version": rollout.policy_version if policy_version is None else policy_version}
-            )
+            self._rollouts[op.rollout_id] = rollout.model_copy(update={
+                "status": RolloutStatus(op.status), "end_time": op.end_time, "error": op.error,
+                "policy_version": rollout.policy_version if op.policy_version is None else op.policy_version})
 
-    def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
-        tombstone = self._tombstone(entry, reason)
+    def _expire(self, tombstone: Rollout) -> None:
         with self._lock:
-            rollout = self._rollouts.setdefault(entry.rollout_id, tombstone)
+            rollout = self._rollouts.setdefault(tombstone.rollout_id, tombstone)
             if rollout.status != RolloutStatus.TIMED_OUT:
-                self._rollouts[entry.rollout_id] = rollout.model_copy(update={
-                    "status": RolloutStatus.TIMED_OUT, "end_time": tombstone.end_time, "error": reason})
+                self._rollouts[tombstone.rollout_id] = rollout.model_copy(update={
+                    "status": RolloutStatus.TIMED_OUT, "end_time": tombstone.end_time, "error": tombstone.error})
 
-    def write_batch(self, items) -> None:
-        for kind, payload in items:
-            if kind == "rollout":
-                self.start_rollout(payload)
-            elif kind == "span_values":
-                problem = record_problem(kind, payload)
-                if problem:
-                    self._set_aside(kind, payload, ValueError(problem))
-                    continue
-                self._add_span(span_from_values(legacy_span_values(payload)))
-            elif kind == "reward":
-                self.write_reward(payload)
-            elif kind == "finish":
-                self.finish_rollout(*payload)
+    def _set_aside(self, note: Quarantine) -> None:
+        with self._lock:
+            self._quarantine.append(QuarantinedRecord(
+                quarantine_id=len(self._quarantine) + 1, time=time.time(), kind=note.what, rollout_id=note.rollout_id,
+                reason=note.reason, payload=note.payload))
+        count("records_quarantined")
 
+    # -- SpanSink -------------------------------------------------------------------------------------
+    def start_rollout(self, rollout: Rollout) -> None:
+        self._apply(StartRollout(rollout))
+
+    def write_span(self, row: SpanRow) -> None:
+        self._apply(TracedSpan(row))
+
+    def write_reward(self, reward: Reward) -> None:
+        self._apply(WriteReward(reward))
+
+    def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
+                       policy_version: int | None = None) -> None:
+        self._apply(FinishRollout(rollout_id, RolloutStatus(status), end_time, error, policy_version))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    # -- ingest, quarantine, closing -----------------------------------------------------------------
     def add_spans(self, spans: list[Span]) -> None:
-        for span in spans:  # the same row round trip as the SQLite store (token attributes lifted and packed)
-            self._add_span(span_from_values(span_record_values(span)))
+        for span in spans:
+            self._apply(EncodedSpan(span_record_values(span)))
 
-    def _add_span(self, span: Span) -> None:
+    def write_batch(self, ops: list[Op]) -> None:
+        for op in ops:
+            self._apply(op)
+
+    def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
+        checks.check_count(limit, "limit")
         with self._lock:
-            self._spans.setdefault(span.rollout_id, {}).setdefault(span.seq, span)
+            return list(reversed(self._quarantine))[:limit]
 
-    # primitives
-    def _get_rollout(self, rollout_id: str) -> Rollout | None:
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "InMemoryStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- RolloutReader ------------------------------------------------------------------------------
+    def get_rollout(self, rollout_id: str) -> Rollout:
         with self._lock:
-            return self._rollouts.get(rollout_id)
+            rollout = self._rollouts.get(rollout_id)
+        if rollout is None:
+            raise checks.not_found(rollout_id, self.url)
+        return rollout
 
-    def _query_rollouts(self, *, mode, status, since, min_policy_version, limit, newest_first) -> list[Rollout]:
+    def rollouts(self, *, mode: str | None = None, status: str | RolloutStatus | None = None,
+                 since: float | dt.datetime | None = None, min_policy_version: int | None = None,
+                 limit: int | None = None, newest_first: bool = False) -> list[Rollout]:
+        mode, status, since = checks.rollout_filters(mode, status, since, min_policy_version, limit)
         with self._lock:
             rows = list(self._rollouts.values())  # insertion order = start order
         out = [
@@ -122,50 +183,127 @@ class InMemoryStore(Store):
         out.sort(key=lambda r: r.start_time, reverse=newest_first)
         return out[:limit] if limit is not None else out
 
-    def _get_spans(self, rollout_id: str) -> list[Span]:
+    def rollout_page(self, query: RolloutQuery | None = None, **filters: Any) -> RolloutPage:
+        query = checks.rollout_query(query, filters)
         with self._lock:
-            return [self._spans.get(rollout_id, {})[k] for k in sorted(self._spans.get(rollout_id, {}))]
+            data = [(r, list(self._rewards.get(r.rollout_id, []))) for r in self._rollouts.values()]
+        data.sort(key=lambda item: item[0].start_time)
+        return scan.rollout_page(data, query)
 
-    def _get_rewards(self, rollout_id: str) -> list[Reward]:
+    def _spans_of(self, rollout_id: str) -> list[Span]:
+        with self._lock:
+            spans = self._spans.get(rollout_id, {})
+            return [spans[k] for k in sorted(spans)]
+
+    def _rewards_of(self, rollout_id: str) -> list[Reward]:
         with self._lock:
             return list(self._rewards.get(rollout_id, []))
 
-    def _insert_reward(self, reward: Reward) -> None:
-        self.write_reward(reward)
+    def spans(self, rollout_id: str) -> list[Span]:
+        self.get_rollout(rollout_id)
+        return self._spans_of(rollout_id)
 
-    def _queue_txn(self, fn):
-        with self._qlock:
-            return fn(_MemoryQueueView(self._queue))
+    def rewards(self, rollout_id: str) -> list[Reward]:
+        self.get_rollout(rollout_id)
+        return self._rewards_of(rollout_id)
 
-    def _insert_policy(self, record: PolicyRecord) -> None:
-        record = record.model_copy(deep=True)  # its trained_on list: nobody's but the store's, as in a file
+    def rollout_data(self, rollout_ids: Sequence[str]) -> Iterator[tuple[Rollout, list[Span], list[Reward]]]:
+        for rollout_id in rollout_ids:
+            rollout = self.get_rollout(rollout_id)
+            yield rollout, self._spans_of(rollout_id), self._rewards_of(rollout_id)
+
+    # -- RolloutIndex (scans) -----------------------------------------------------------------------
+    def existing_rollout_ids(self, rollout_ids: Iterable[str]) -> set[str]:
         with self._lock:
-            self._policies.append(record)
+            return {rid for rid in rollout_ids if rid in self._rollouts}
 
-    def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
+    def rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
         with self._lock:
-            found = [p for p in self._policies if served_name is None or p.served_name == served_name]
-        found = list({p.served_name: p for p in found}.values()) if latest else found
-        return [p.model_copy(deep=True) for p in found]
+            ids = list(self._rollouts)
+        return scan.ids_with_prefix(ids, prefix, limit)
 
-    def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
+    def llm_call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        return scan.llm_call_counts(self, rollout_ids)
+
+    def last_activity(self, rollout_id: str) -> float | None:
+        return scan.last_activity(self._spans_of(rollout_id), self._rewards_of(rollout_id))
+
+    # -- RewardLog ----------------------------------------------------------------------------------
+    def add_reward(self, rollout_id: str, value: float, name: str = "reward", *, llm_call_index: int | None = None,
+                   agent: str | None = None, source: str | RewardSource = RewardSource.FEEDBACK,
+                   uid: str | None = None) -> Reward:
+        reward = checks.new_reward(rollout_id, value, name, llm_call_index=llm_call_index, agent=agent, source=source,
+                                   uid=uid)
+        self.get_rollout(rollout_id)
+        self._apply(WriteReward(reward))
+        return reward
+
+    def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
+        checks.check_position(after)
+        checks.check_count(limit, "limit")
         with self._lock:
             log = self._reward_log[after:]
-        out = [(after + i + 1, rid) for i, (rid, n) in enumerate(log) if name is None or n == name]
-        return out[:limit]
+        rows = [(after + i + 1, rid) for i, (rid, n) in enumerate(log) if name is None or n == name][:limit]
+        return list(dict.fromkeys(rid for _, rid in rows)), (rows[-1][0] if rows else after)
+
+    # -- TaskQueue ----------------------------------------------------------------------------------
+    def _queue_txn(self, fn):
+        with self._qlock:
+            return fn(_QueueView(self._queue))
+
+    def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
+                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+        return task_queue.enqueue_in(self._queue_txn, task, n=n, mode=mode, max_tries=max_tries, group_id=group_id,
+                                     once=once)
+
+    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
+              key: str | None = None) -> list[QueueEntry]:
+        return task_queue.lease_in(self._queue_txn, runner, lease_seconds=lease_seconds, limit=limit, key=key,
+                                   expire_rollout=self.expire_rollout, flush=self.flush)
+
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
+        return task_queue.heartbeat_in(self._queue_txn, queue_id, runner, lease_seconds)
+
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+        return task_queue.complete_in(self._queue_txn, queue_id, runner, outcome)
+
+    def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        return task_queue.entries_in(self._queue_txn, group_ids)
+
+    def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
+        self._apply(ExpireTry(task_queue.tombstone(entry, reason)))
+
+    # -- PolicyLog ----------------------------------------------------------------------------------
+    def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
+                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
+        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on)
+        with self._lock:  # a copy: its trained_on list is nobody's but the store's, as in a file
+            self._policies.append(record.model_copy(deep=True))
+        return record
+
+    def policies(self, served_name: str | None = None) -> list[PolicyRecord]:
+        with self._lock:
+            found = [p for p in self._policies if served_name is None or p.served_name == served_name]
+        return [p.model_copy(deep=True) for p in found]
+
+    def latest_policies(self) -> dict[str, PolicyRecord]:
+        with self._lock:
+            latest = {p.served_name: p for p in self._policies}
+        return {name: p.model_copy(deep=True) for name, p in latest.items()}
 
 
-class _MemoryQueueView:
+class _QueueView:
     def __init__(self, entries: dict[str, QueueEntry]) -> None:
         self._entries = entries
 
-    def select(self, *, status, group_ids=None, queue_id=None, limit=None):
+    def select(self, *, status: Sequence[QueueStatus], group_ids: Sequence[str] | None = None,
+               queue_id: str | None = None, limit: int | None = None) -> list[QueueEntry]:
         out = [e for e in self._entries.values()
                if e.status in status and (group_ids is None or e.group_id in group_ids)
                and (queue_id is None or e.queue_id == queue_id)]
         out.sort(key=lambda e: (e.created, e.attempt))
         return out[:limit] if limit is not None else out
 
-    def put(self, entries) -> None:
+    def put(self, entries: Iterable[QueueEntry]) -> None:
         for e in entries:
             self._entries[e.queue_id] = e

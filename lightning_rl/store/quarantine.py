@@ -1,9 +1,9 @@
 """Records a store cannot write, told apart from a store that cannot be written, and described.
 
 The writer (``writer.py``) asks :func:`is_record_error` whether a failed batch failed for a reason in
-its own data. If so, it isolates the records that fail on their own; each is described here
-(:func:`describe`: its rollout, why, and its original form as JSON text) and kept in the store's
-quarantine (the ``quarantine`` table of a SQLite store), never retried, never spilled.
+its own data. If so, it isolates the ops that fail on their own; each is described here
+(:func:`describe`: a ``Quarantine`` op with its rollout, why, and its original form as JSON text) and
+kept in the store's quarantine (the ``quarantine`` table of a SQLite store), never retried, never spilled.
 """
 
 from __future__ import annotations
@@ -16,14 +16,24 @@ from typing import Any
 import orjson
 
 from ..boundaries import int64_problem, safe_text
-from ..records import QuarantinedRecord, Reward, Rollout, SpanRow
-from .rows import REWARD_COLUMNS, ROLLOUT_COLUMNS, SPAN_COLUMNS, spill_line
+from ..records import QuarantinedRecord
+from . import wire
+from .ops import (
+    EncodedSpan,
+    ExpireTry,
+    FinishRollout,
+    Op,
+    Quarantine,
+    StartRollout,
+    TracedSpan,
+    WriteReward,
+    rollout_of,
+)
+from .rows import SPAN_COLUMNS
 
-# Integer columns of each record, by name and position in its row.
+# Integer columns of a span row, by name and position.
 _SPAN_INTS = {name: SPAN_COLUMNS.index(name) for name in ("seq", "start_ns", "end_ns", "prompt_base_seq", "prompt_shared",
                                                     "input_base_seq", "input_shared")}
-_ROLLOUT_INTS = {name: ROLLOUT_COLUMNS.index(name) for name in ("attempt", "policy_version")}
-_REWARD_INTS = {"llm_call_index": REWARD_COLUMNS.index("llm_call_index")}
 
 
 def is_record_error(exc: BaseException) -> bool:
@@ -37,64 +47,38 @@ def is_record_error(exc: BaseException) -> bool:
     return True
 
 
-def _int_problems(values: Any, columns: dict[str, int], what: str) -> str | None:
-    if not isinstance(values, (list, tuple)):
-        return None
-    for name, i in columns.items():
-        if i < len(values):
-            problem = int64_problem(values[i], f"{what} {name}")
-            if problem:
-                return problem
+def _first(*problems: str | None) -> str | None:
+    return next((p for p in problems if p), None)
+
+
+def record_problem(op: Op) -> str | None:
+    """The field of an op that no SQLite store can hold, named, or None if none is found."""
+    kind = type(op)
+    if kind is TracedSpan:
+        return _first(*(int64_problem(getattr(op.row, name), f"span {name}") for name in ("seq", "start_ns", "end_ns")))
+    if kind is EncodedSpan:
+        return _first(*(int64_problem(op.values[i], f"span {name}") for name, i in _SPAN_INTS.items()
+                        if i < len(op.values)))
+    if kind is StartRollout or kind is ExpireTry:
+        rollout = op.rollout if kind is StartRollout else op.tombstone
+        return _first(int64_problem(rollout.attempt, "rollout attempt"),
+                      int64_problem(rollout.policy_version, "rollout policy_version"))
+    if kind is WriteReward:
+        return int64_problem(op.reward.llm_call_index, "reward llm_call_index")
+    if kind is FinishRollout:
+        return int64_problem(op.policy_version, "finish policy_version")
     return None
 
 
-def record_problem(kind: str, payload: Any) -> str | None:
-    """The field of a writer item that no SQLite store can hold, named, or None if none is found."""
-    if kind == "span" and isinstance(payload, SpanRow):
-        for name in ("seq", "start_ns", "end_ns"):
-            problem = int64_problem(getattr(payload, name), f"span {name}")
-            if problem:
-                return problem
-        return None
-    if kind in ("span_values", "span_packed"):
-        return _int_problems(payload, _SPAN_INTS, "span")
-    if kind == "rollout":
-        values = [payload.attempt, payload.policy_version] if isinstance(payload, Rollout) else payload
-        columns = {"attempt": 0, "policy_version": 1} if isinstance(payload, Rollout) else _ROLLOUT_INTS
-        return _int_problems(values, columns, "rollout")
-    if kind == "reward":
-        if isinstance(payload, Reward):
-            return int64_problem(payload.llm_call_index, "reward llm_call_index")
-        return _int_problems(payload, _REWARD_INTS, "reward")
-    if kind == "finish":
-        return _int_problems(payload, {"policy_version": 4}, "finish")
-    if kind == "expire" and isinstance(payload, (list, tuple)) and payload:
-        return _int_problems(payload[0], _ROLLOUT_INTS, "rollout")
-    return None
-
-
-def rollout_of(kind: str, payload: Any) -> str | None:
-    """The rollout a writer item belongs to, when it can be told."""
+def describe(op: Op, exc: BaseException) -> Quarantine:
+    """An op the writer could not write, as its description: its rollout, why, and its original form
+    (its wire JSON) or, when not even JSON can hold it, a bounded text of it."""
+    reason = record_problem(op) or f"{type(exc).__name__}: {exc}"
     try:
-        if isinstance(payload, (SpanRow, Rollout, Reward)):
-            found = payload.rollout_id
-        elif kind == "expire":
-            found = payload[0][0]
-        else:
-            found = payload[0]
-    except (IndexError, KeyError, TypeError):
-        return None
-    return found if isinstance(found, str) else None
-
-
-def describe(kind: str, payload: Any, exc: BaseException) -> tuple[str | None, str, str]:
-    """``(rollout_id, reason, payload as text)`` of an item the writer could not write."""
-    reason = record_problem(kind, payload) or f"{type(exc).__name__}: {exc}"
-    try:
-        text = spill_line(kind, payload).decode()
+        text = wire.encode(op).decode()
     except Exception:  # not even JSON can hold it (too deep, an integer beyond 64 bits): its description
-        text = orjson.dumps({"kind": kind, "unencodable": safe_text(payload)}).decode()
-    return rollout_of(kind, payload), f"{kind} could not be written: {reason}"[:2000], text
+        text = orjson.dumps({"kind": op.kind, "unencodable": safe_text(op)}).decode()
+    return Quarantine(op.kind, rollout_of(op), f"{op.kind} could not be written: {reason}"[:2000], text)
 
 
 def insert_quarantine(conn: sqlite3.Connection, kind: str, rollout_id: Any, reason: str, text: str) -> bool:

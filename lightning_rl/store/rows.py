@@ -1,8 +1,7 @@
-"""Records <-> flat rows: one conversion shared by every store (and the spill file)."""
+"""Records <-> flat rows: one conversion shared by every store (and the wire, which sends rows as spans)."""
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import orjson
@@ -32,9 +31,8 @@ SPAN_COLUMNS = OTEL_COLUMNS + TOKEN_COLUMNS + TEXT_COLUMNS
 _NO_TOKENS = (None, None, None, None, None)
 _NO_TEXT = (None, None, None, None)
 _INPUT, _OUTPUT = semconv.GEN_AI_INPUT_MESSAGES, semconv.GEN_AI_OUTPUT_MESSAGES
-#: Token arrays as span attributes: how lightning-rl before 0.2 (schema 4) recorded them, and what older
-#: clients of the store server still send. They are lifted out of the attributes into packed columns.
-LEGACY_TOKEN_ATTRIBUTES = (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS)
+#: Token arrays as span attributes: how stores of schema 4 held them (migration 5 packs them into columns).
+TOKEN_ATTRIBUTES = (semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS)
 ROLLOUT_COLUMNS = (
     "rollout_id", "name", "agent", "task", "group_id", "attempt", "mode", "status", "policy_version",
     "start_time", "end_time", "error", "origin",
@@ -97,10 +95,10 @@ def with_messages(attributes_json: str, input_messages: str | None, output_messa
 
 
 def lift_token_attributes(attributes: dict[str, Any]) -> tuple[dict[str, Any], PackedTokens | None]:
-    """Attributes without the legacy token-array keys, and those arrays packed (None if absent)."""
-    if not any(k in attributes for k in LEGACY_TOKEN_ATTRIBUTES):
+    """Attributes without the token-array keys, and those arrays packed (None if absent or not packable)."""
+    if not any(k in attributes for k in TOKEN_ATTRIBUTES):
         return attributes, None
-    rest = {k: v for k, v in attributes.items() if k not in LEGACY_TOKEN_ATTRIBUTES}
+    rest = {k: v for k, v in attributes.items() if k not in TOKEN_ATTRIBUTES}
     prompt, response = attributes.get(semconv.PROMPT_TOKEN_IDS), attributes.get(semconv.RESPONSE_TOKEN_IDS)
     if prompt is None or response is None:  # half a pair cannot make a sample: kept as it was
         return attributes, None
@@ -139,10 +137,10 @@ def span_values(row: SpanRow) -> tuple:
 
 def span_record_values(span: Span) -> tuple:
     """A :class:`Span` record (ingested, or a validated wire span) as a ``spans`` row: its tokens as
-    lists (``SpanTokens``) or already packed (the wire's), or token arrays given as legacy attributes."""
-    attributes, packed = lift_token_attributes(span.attributes)
-    attributes, text = lift_messages(attributes, owned=attributes is not span.attributes)
+    lists (``SpanTokens``) or already packed (the wire's). Its attributes are stored as they are."""
+    attributes, text = lift_messages(span.attributes)
     t = span.tokens
+    packed = None
     if t is None:
         pass
     elif "prompt_ids" in type(t).model_fields:  # lists (SpanTokens, or the wire's list form)
@@ -154,70 +152,6 @@ def span_record_values(span: Span) -> tuple:
         span.start_ns, span.end_ns, span.status_code, span.status_message, _dumps(attributes),
         _dumps(span.events) if span.events else None, *token_values(packed), *text,
     )
-
-
-def legacy_span_values(values: tuple | list) -> tuple:
-    """A row of an older schema (a spill file written before packed tokens: 13 columns; before the text
-    columns: 18) as a row of today's. Their messages stay in the attributes, where readers find them."""
-    if len(values) == len(SPAN_COLUMNS):
-        return values if type(values) is tuple else tuple(values)
-    if len(values) == len(OTEL_COLUMNS) + len(TOKEN_COLUMNS):
-        return (*values, *_NO_TEXT)
-    attributes, packed = lift_token_attributes(orjson.loads(values[11]))
-    return (*values[:11], _dumps(attributes) if packed is not None else values[11], values[12], *token_values(packed),
-            *_NO_TEXT)
-
-
-_BLOBS = slice(15, 18)
-
-
-def spill_row(values: tuple | list) -> list:
-    """A span row for a JSON line: the packed token columns as base64 text."""
-    row = list(values)
-    row[_BLOBS] = [None if b is None else base64.b64encode(b).decode() for b in row[_BLOBS]]
-    return row
-
-
-def unspill_row(values: list) -> tuple:
-    row = list(values)
-    row[_BLOBS] = [None if b is None else base64.b64decode(b) for b in row[_BLOBS]]
-    return tuple(row)
-
-
-#: Writer items as spill-file lines: ``{"kind": ..., "payload": ...}``, one per line. Spans go with their
-#: packed token columns as base64 (``span_packed``); ``span_values`` lines (plain JSON rows) come from
-#: versions before packed tokens; ``quarantine`` lines hold a record that could not even be spilled as it
-#: was (its description, for the quarantine table).
-SPILL_KINDS = ("rollout", "span_packed", "span_values", "reward", "finish", "expire", "quarantine")
-
-
-def spill_line(kind: str, payload: Any) -> bytes:
-    """One writer item as a spill-file line (raises TypeError for a payload JSON cannot hold)."""
-    if kind == "span":
-        kind, payload = "span_values", span_values(payload)
-    if kind == "span_values":
-        kind, payload = "span_packed", spill_row(payload)
-    elif kind == "rollout" and isinstance(payload, Rollout):
-        payload = rollout_values(payload)
-    elif kind == "reward" and isinstance(payload, Reward):
-        payload = reward_values(payload)
-    return orjson.dumps({"kind": kind, "payload": payload})
-
-
-def spill_item(line: bytes) -> tuple[str, Any]:
-    """A spill-file line as a writer item; ValueError (naming what is wrong) for a line that is not one."""
-    try:
-        data = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"the line is not JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("kind") not in SPILL_KINDS or "payload" not in data:
-        kind = data.get("kind") if isinstance(data, dict) else None
-        raise ValueError(f"the line is not a record this version writes (kind {kind!r:.60}; known: "
-                         f"{', '.join(SPILL_KINDS)})")
-    kind, payload = data["kind"], data["payload"]
-    if kind == "span_packed":
-        return "span_values", unspill_row(payload)
-    return kind, payload
 
 
 def span_from_values(values: tuple | list, resolver: PromptResolver | None = None) -> Span:
@@ -285,12 +219,6 @@ def rollout_values(r: Rollout) -> tuple:
         r.rollout_id, r.name, r.agent, orjson.dumps(r.task).decode(), r.group_id, r.attempt,
         r.mode.value, r.status.value, r.policy_version, r.start_time, r.end_time, r.error, r.origin,
     )
-
-
-def full_rollout_values(values: tuple | list) -> tuple:
-    """Rollout values written by an older version (a spill file from before a column was added),
-    padded with None for the columns it did not have."""
-    return tuple(values) + (None,) * (len(ROLLOUT_COLUMNS) - len(values))
 
 
 def rollout_from_values(values: tuple | list) -> Rollout:

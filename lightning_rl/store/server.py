@@ -41,8 +41,9 @@ from ..diagnostics import counters
 from ..records import PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
 from ..settings import ENV_SERVER_WORKER, check_synchronous
 from . import wire
-from .base import Store
 from ..serving import STORE_SERVER, BackgroundService, run
+from .protocols import Store
+from .queries import trajectory as assemble_trajectory
 
 DEFAULT_MAX_BODY = 64 * 2**20
 OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
@@ -55,8 +56,7 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 def _policy_json(record: PolicyRecord) -> dict[str, Any]:
-    """A policy record as JSON; ``trained_on`` only when recorded (clients from before lineage refuse the key)."""
-    return record.model_dump(mode="json", exclude=None if record.trained_on is not None else {"trained_on"})
+    return record.model_dump(mode="json")
 
 
 def _problem(status: int, error: str, details: list[str] | None = None,
@@ -266,7 +266,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
             raise _Refused(422, f"unknown rollout id(s) {shown}; send their start_rollout op first (in this "
                                 "or an earlier batch); nothing was written", [],
                            sorted(i for i, rid in refers.items() if rid in missing))
-        await anyio.to_thread.run_sync(store.write_batch, wire.to_store_items(ops))
+        await anyio.to_thread.run_sync(store.write_batch, wire.to_ops(ops))
         remember(started)
         return _json({"accepted": len(ops)})
 
@@ -296,7 +296,12 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     @app.get(f"{p}/policies", response_model=list[PolicyRecord])
     async def policies(served_name: str | None = None, latest: bool = False) -> Response:
         """Recorded publishes, oldest first; ``latest``: the last one of each served name."""
-        found = await anyio.to_thread.run_sync(lambda: store._query_policies(served_name, latest))
+        def read() -> list[PolicyRecord]:
+            if latest:
+                return [p for p in store.latest_policies().values() if served_name is None or p.served_name == served_name]
+            return store.policies(served_name)
+
+        found = await anyio.to_thread.run_sync(read)
         return _json([_policy_json(r) for r in found])
 
     @app.get(f"{p}/rollouts", response_model=list[Rollout])
@@ -330,8 +335,8 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     @app.get(f"{p}/rollouts/{{rollout_id}}/trajectory")
     async def trajectory(rollout_id: str, credit: str = "final", reward_name: str = "reward") -> Response:
         """The assembled trajectory with a built-in credit assignment (for clients in other languages)."""
-        traj = await anyio.to_thread.run_sync(lambda: store.trajectory(rollout_id, credit=credit,
-                                                                       reward_name=reward_name))
+        traj = await anyio.to_thread.run_sync(lambda: assemble_trajectory(store, rollout_id, credit=credit,
+                                                                          reward_name=reward_name))
         return _json(traj.model_dump(mode="json"))
 
     @app.post(f"{p}/rollout_data", response_model=list[wire.RolloutData],
@@ -339,14 +344,14 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     async def rollout_data(request: Request) -> Response:
         """Rollouts with their spans and rewards, many at once (clients assemble trajectories)."""
         ids = (await body_of(request, wire.RolloutIdsIn)).rollout_ids
-        data = await anyio.to_thread.run_sync(store.rollout_data, ids)
+        data = await anyio.to_thread.run_sync(lambda: list(store.rollout_data(ids)))
         return _json([{"rollout": r.model_dump(mode="json"), "spans": [s.model_dump(mode="json") for s in sp],
                        "rewards": [w.model_dump(mode="json") for w in rw]} for r, sp, rw in data])
 
     @app.get(f"{p}/rollout_ids")
     async def rollout_ids(prefix: str, limit: Annotated[int, Query(ge=1, le=1000)] = 11) -> Response:
         """Rollout ids starting with ``prefix`` (a unique prefix names a rollout in the CLI), in order."""
-        return _json(await anyio.to_thread.run_sync(lambda: store._rollout_ids_with_prefix(prefix, limit)))
+        return _json(await anyio.to_thread.run_sync(lambda: store.rollout_ids_with_prefix(prefix, limit)))
 
     @app.get(f"{p}/quarantine", response_model=list[QuarantinedRecord])
     async def quarantine(limit: QueryInt = 1000) -> Response:

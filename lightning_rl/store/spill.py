@@ -9,6 +9,7 @@ the files of processes that are gone are adopted by the next process that opens 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -79,3 +80,28 @@ class SpillFiles:
     @staticmethod
     def read(path: Path) -> list[bytes]:
         return [line for line in path.read_bytes().splitlines() if line]
+
+
+# Spill folders of stores open in this process: a store opened on a folder nobody here uses may take
+# this process's own leftover files too (a store closed with a backlog, then opened again).
+_folders_in_use: set[Path] = set()
+_folders_lock = threading.Lock()
+
+
+def claim_folder(folder: Path) -> bool:
+    """Mark ``folder`` used by a store of this process; True if no other store here used it."""
+    with _folders_lock:
+        first = folder not in _folders_in_use
+        _folders_in_use.add(folder)
+        return first
+
+
+def release_folder(folder: Path) -> None:
+    with _folders_lock:
+        _folders_in_use.discard(folder)
+
+
+def forget_claims() -> None:
+    """In a forked child: the parent's stores are not open in this process (no lock: a thread of the
+    parent may have held it when the process forked)."""
+    _folders_in_use.clear()

@@ -1,16 +1,18 @@
 """SQLiteStore: the durable default. WAL mode, recorded migrations, one background writer per process.
 
-* Spans, rollouts and rewards are queued to a background writer (bounded queue: a full queue
-  blocks the producer, nothing is dropped) and written in batched transactions.
+* Spans, rollouts and rewards are queued to a background writer as ops (``store/ops.py``; bounded
+  queue: a full queue blocks the producer, nothing is dropped) and written in batched transactions
+  (``sqlite_writes.py``). Reads are SQL on a second connection (``sqlite_reads.py``).
 * A finishing rollout flushes, so it is on disk before the traced call returns.
 * Several processes may write one file: WAL, ``BEGIN IMMEDIATE`` and a busy timeout; a retried
   batch cannot duplicate spans (unique ``(rollout_id, seq)``).
 * A batch that cannot be written for ``give_up_after`` seconds (the file is locked, full, away) is
-  spilled to ``<db>.spill/*.jsonl``, and so is everything after it, in order, until the writer has
+  spilled to ``<db>.spill/*.jsonl`` (one op per line, as the store server's wire encodes it), and so
+  is everything after it, in order, until the writer has
   replayed the backlog (it tries every second while the store is open). A store opened later adopts
   the spill files of processes that are gone.
 * A record that cannot be written for a reason in its own data (a value SQLite cannot bind, a spill
-  line from another version) goes to the ``quarantine`` table with the reason and its original form;
+  line this version cannot read) goes to the ``quarantine`` table with the reason and its original form;
   the rest of its batch is written (``quarantine.py``). Nothing is retried that can never succeed.
 * ``read_only=True`` (the viewer): no writer, no migration, no spill adoption or replay; the
   connections are ``query_only``.
@@ -19,70 +21,56 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import sqlite3
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
-from ..records import (PolicyRecord, QuarantinedRecord, Reward, Rollout, RolloutPage, RolloutQuery, RolloutRow,
-                       RolloutStatus, Span, SpanRow, allowed_from)
-from ..settings import Settings, check_synchronous
-from .base import Store
-from .lifecycle import track
-from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
-from .migrations import latest_version, migrate
-from .quarantine import describe, insert_quarantine, is_record_error, read_quarantine
-from .rows import (
-    QUEUE_COLUMNS,
-    REWARD_COLUMNS,
-    ROLLOUT_COLUMNS,
-    SPAN_COLUMNS,
-    legacy_span_values,
-    queue_from_values,
-    queue_values,
-    reward_from_values,
-    reward_values,
-    full_rollout_values,
-    rollout_values,
-    rollouts_from_rows,
-    span_record_values,
-    span_values,
-    spans_from_rows,
-    spill_item,
-    spill_line,
+from ..records import (
+    PolicyRecord,
+    QuarantinedRecord,
+    QueueEntry,
+    Reward,
+    RewardSource,
+    Rollout,
+    RolloutPage,
+    RolloutQuery,
+    RolloutStatus,
+    Span,
+    SpanRow,
 )
-from .spill import SpillFiles
+from ..settings import Settings, check_synchronous
+from . import checks, task_queue, wire
+from . import sqlite_reads as sql
+from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
+from .lifecycle import track
+from .migrations import latest_version, migrate
+from .ops import (
+    EncodedSpan,
+    ExpireTry,
+    FinishRollout,
+    Op,
+    Quarantine,
+    StartRollout,
+    TracedSpan,
+    WriteReward,
+)
+from .quarantine import describe, insert_quarantine, is_record_error, read_quarantine
+from .rows import span_record_values
+from .spill import SpillFiles, claim_folder, forget_claims, release_folder
+from .sqlite_writes import QueueView, apply_ops, insert_policy
 from .tokens import PrefixSharer
 from .writer import BackgroundWriter
 
-_INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({', '.join('?' * len(SPAN_COLUMNS))})"
-_INSERT_ROLLOUT = f"INSERT OR IGNORE INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) VALUES ({', '.join('?' * len(ROLLOUT_COLUMNS))})"
-_INSERT_REWARD = f"INSERT OR IGNORE INTO rewards ({', '.join(REWARD_COLUMNS)}) VALUES ({', '.join('?' * len(REWARD_COLUMNS))})"
 
-# Rows per multi-row INSERT: 22 columns x 16 rows stays far below SQLite's bound-parameter limit.
-_CHUNK = 16
-_INSERT_SPANS_CHUNK = _INSERT_SPAN.split(" VALUES ")[0] + " VALUES " + ", ".join(
-    ["(" + ", ".join("?" * len(SPAN_COLUMNS)) + ")"] * _CHUNK
-)
+class SQLiteStore:
+    """A store in one SQLite file (every protocol of ``store/protocols.py``)."""
 
-
-def _insert_many(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert span rows with one multi-row statement per chunk. ``executemany`` steps once per row
-    and Python's sqlite3 releases the GIL around every step, which makes a writer thread fight the
-    agent's thread for the GIL row by row; one step per 16 rows avoids most of that."""
-    full = len(rows) - len(rows) % _CHUNK
-    for start in range(0, full, _CHUNK):
-        conn.execute(_INSERT_SPANS_CHUNK, [v for row in rows[start:start + _CHUNK] for v in row])
-    if full < len(rows):
-        conn.executemany(_INSERT_SPAN, rows[full:])
-
-
-class SQLiteStore(Store):
     def __init__(
         self, path: str | os.PathLike[str], *, queue_size: int | None = None,
         give_up_after: float = 30.0, busy_timeout: float = 30.0, synchronous: str | None = None,
@@ -133,7 +121,7 @@ class SQLiteStore(Store):
         self._qlock = threading.Lock()
         self._sharer = PrefixSharer()  # the writer thread's: prompts stored as prefix + tail
         self._spills = SpillFiles(Path(self.path + ".spill"))
-        self._spills.adopt_orphans(own=_claim_spill_folder(self._spills.folder))
+        self._spills.adopt_orphans(own=claim_folder(self._spills.folder))
         self._writer = BackgroundWriter(
             self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",
             spill=self._spill, replay=self._replay, backlog=lambda: bool(self._spills.files),
@@ -161,45 +149,48 @@ class SQLiteStore(Store):
 
     def _writable(self, what: str) -> None:
         if self.read_only:
-            raise StoreError(f"{what}: the store {self.path!r} was opened read-only (the viewer's mode); open it "
-                             "with open_store(url) to write")
+            raise checks.read_only(what, repr(self.path))
 
-    # -- sink (called by the tracer; never blocks except for back-pressure) -------------------------
+    def _put(self, op: Op, what: str) -> None:
+        if self.read_only:
+            raise checks.read_only(what, repr(self.path))
+        self._writer.put(op)
+
+    # -- SpanSink (the tracer's; never blocks except for back-pressure) ------------------------------
     def start_rollout(self, rollout: Rollout) -> None:
-        self._writable("start_rollout")
-        self._writer.put("rollout", rollout)
+        self._put(StartRollout(rollout), "start_rollout")
 
     def write_span(self, row: SpanRow) -> None:
-        self._writable("write_span")
-        self._writer.put("span", row)
+        self._put(TracedSpan(row), "write_span")
 
     def write_reward(self, reward: Reward) -> None:
-        self._writable("write_reward")
-        self._writer.put("reward", reward)
+        self._put(WriteReward(reward), "write_reward")
 
     def finish_rollout(self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
                        policy_version: int | None = None) -> None:
-        self._writable("finish_rollout")
-        self._writer.put("finish", (rollout_id, RolloutStatus(status).value, end_time, error, policy_version))
-
-    def expire_rollout(self, entry, reason: str) -> None:
-        self._writable("expire_rollout")
-        tombstone = self._tombstone(entry, reason)
-        self._writer.put("expire", (rollout_values(tombstone), tombstone.end_time, reason))
+        self._put(FinishRollout(rollout_id, RolloutStatus(status), end_time, error, policy_version), "finish_rollout")
 
     def flush(self, timeout: float | None = None) -> bool:
         if self._closed or self._writer is None:
             return True
         return self._writer.flush(timeout)
 
-    def write_batch(self, items: list[tuple[str, Any]]) -> None:
-        """The store server's write path: returns once the items are in the database. Items kept in a
-        spill file (the database is unwritable) are not acknowledged: StoreError, and the client retries
+    # -- ingest ----------------------------------------------------------------------------------------
+    def add_spans(self, spans: list[Span]) -> None:
+        """Ingest spans recorded elsewhere (batched, idempotent by (rollout_id, seq)); durable on return."""
+        for span in spans:
+            self._put(EncodedSpan(span_record_values(span)), "add_spans")
+        if not self.flush(Settings.from_env().flush_timeout):
+            raise StoreError(f"the spans are queued but were not confirmed on disk in {self.path!r} in time")
+
+    def write_batch(self, ops: list[Op]) -> None:
+        """The store server's write path: returns once the ops are in the database. Ops kept in a spill
+        file (the database is unwritable) are not acknowledged: StoreError, and the client retries
         (idempotently) after the backlog has been written back, so no later op overtakes them."""
         self._writable("write_batch")
-        self._writer.put_many(items)
+        self._writer.put_many(ops)
         if not self._writer.flush_applied(Settings.from_env().flush_timeout):
-            raise StoreError(f"{len(items)} records are not in {self.path!r} yet (the database could not be written; "
+            raise StoreError(f"{len(ops)} records are not in {self.path!r} yet (the database could not be written; "
                              "they are kept in its spill file and written back when it can be)")
 
     @property
@@ -214,22 +205,10 @@ class SQLiteStore(Store):
     def pending_writes(self) -> int:
         return self._writer.pending
 
-    def existing_rollout_ids(self, rollout_ids) -> set[str]:
-        ids = list(rollout_ids)
-        found: set[str] = set()
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            rows = self._read(f"SELECT rollout_id FROM rollouts WHERE rollout_id IN ({', '.join('?' * len(chunk))})",
-                              tuple(chunk))
-            found.update(r[0] for r in rows)
-        return found
-
-    def add_spans(self, spans: list[Span]) -> None:
-        """Ingest spans recorded elsewhere (batched, idempotent by (rollout_id, seq)); durable on return."""
-        for span in spans:
-            self._writer.put("span_values", span_record_values(span))
-        if not self.flush(Settings.from_env().flush_timeout):
-            raise StoreError(f"the spans are queued but were not confirmed on disk in {self.path!r} in time")
+    def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
+        checks.check_count(limit, "limit")
+        with self._rlock:
+            return read_quarantine(self._rconn, limit)
 
     def close(self) -> None:
         if self._closed:
@@ -244,116 +223,75 @@ class SQLiteStore(Store):
                 self._replay()  # one last try; what stays is adopted by the next open
             except Exception as exc:
                 report_failure("spill replay", exc)
-        _release_spill_folder(self._spills.folder)
+        release_folder(self._spills.folder)
         for conn in (self._wconn, self._rconn, self._qconn):
             try:
                 conn.close()
             except Exception:
                 pass
 
+    def __enter__(self) -> "SQLiteStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child: fresh connections and writer; the parent writes what it had queued."""
+        self._closed = False
+        forget_claims()
+        self._open()
+
     # -- the writer thread ------------------------------------------------------------------------
-    def _apply(self, items: list[tuple[str, Any]]) -> None:
-        rollouts, spans, rewards, finishes, expires, quarantined = [], [], [], [], [], []
-        share = self._sharer.share
-        for kind, payload in items:
-            if kind == "span":
-                spans.append(share(span_values(payload)))
-            elif kind == "span_values":
-                spans.append(share(legacy_span_values(payload)))
-            elif kind == "rollout":
-                rollouts.append(rollout_values(payload) if isinstance(payload, Rollout) else full_rollout_values(payload))
-            elif kind == "reward":
-                rewards.append(reward_values(payload) if isinstance(payload, Reward) else tuple(payload))
-            elif kind == "finish":
-                finishes.append(tuple(payload))
-            elif kind == "expire":
-                expires.append(payload)
-            elif kind == "quarantine":  # set aside while spilling (it could not even be spilled as it was)
-                quarantined.append(payload)
-            else:  # a record kind this version does not know (a spill line of another version)
-                raise ValueError(f"unknown record kind {kind!r:.60}")
-        conn = self._wconn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            if rollouts:
-                conn.executemany(_INSERT_ROLLOUT, rollouts)
-            if spans:
-                _insert_many(conn, spans)
-            if rewards:
-                conn.executemany(_INSERT_REWARD, rewards)
-            for rollout_id, status, end_time, error, *version in finishes:  # spills before 0.1 have no version
-                sources = sorted(s.value for s in allowed_from(status))
-                marks = ", ".join("?" * len(sources))
-                cur = conn.execute(
-                    "UPDATE rollouts SET status = ?, end_time = ?, error = ?, policy_version = coalesce(?, policy_version) "
-                    f"WHERE rollout_id = ? AND status IN ({marks})",
-                    (status, end_time, error, version[0] if version else None, rollout_id, *sources),
-                )
-                if cur.rowcount == 0:
-                    count("rejected_status_transitions")
-            for values, end_time, reason in expires:  # the queue's word is final: after everything else
-                conn.execute(_INSERT_ROLLOUT, full_rollout_values(values))
-                conn.execute("UPDATE rollouts SET status = ?, end_time = ?, error = ? WHERE rollout_id = ? AND status != ?",
-                             (RolloutStatus.TIMED_OUT.value, end_time, reason, values[0], RolloutStatus.TIMED_OUT.value))
-            for rollout_id, reason, text, kind in quarantined:
-                insert_quarantine(conn, kind, rollout_id, reason, text)
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        for rollout_id, *_ in finishes:
+    def _apply(self, ops: list[Op]) -> None:
+        for rollout_id in apply_ops(self._wconn, ops, self._sharer):
             self._sharer.forget(rollout_id)
 
-    def _spill(self, items: list[tuple[str, Any]]) -> None:
+    def _spill(self, ops: list[Op]) -> None:
         lines = []
-        for kind, payload in items:
+        for op in ops:
             try:
-                lines.append(spill_line(kind, payload))
+                lines.append(wire.encode(op))
             except Exception as exc:  # JSON cannot hold it: it waits, described, for the quarantine table
-                rollout_id, reason, text = describe(kind, payload, exc)
-                lines.append(spill_line("quarantine", [rollout_id, reason, text, kind]))
+                lines.append(wire.encode(describe(op, exc)))
         self._spills.append(lines)
         report_failure("spill", message=f"lightning-rl: store {self.path!r} unwritable; records spilled to "
                                         f"{self._spills.folder} (written back, in order, when it can be)")
 
     def _replay(self) -> bool:
         """Write the spill files back, oldest first (writer thread). True when none is left. A line that
-        is not a record this version can write (another version's, damaged) is quarantined, and so is a
-        record the database refuses; everything else is written. Raises only while the file is unwritable."""
+        is not an op this version can read (another version's, damaged) is quarantined, and so is an op
+        the database refuses; everything else is written. Raises only while the file is unwritable."""
         while self._spills.files:
             path = self._spills.files[0]
-            items = []
+            ops: list[Op] = []
             for number, line in enumerate(SpillFiles.read(path), 1):
                 try:
-                    items.append(spill_item(line))
-                except Exception as exc:  # not JSON, an unknown kind, a payload of another shape
+                    ops.append(wire.decode(line))
+                except Exception as exc:  # not JSON, an unknown op, a payload of another shape
                     text = line.decode(errors="replace")
-                    items.append(("quarantine", [None, f"line {number} of spill file {path.name}: {exc}", text[:100_000],
-                                                 "spill line"]))
-            self._writer.write(items)
+                    ops.append(Quarantine("spill line", None, f"line {number} of spill file {path.name}: {exc}"[:2000],
+                                          text[:100_000]))
+            self._writer.write(ops)
             path.unlink()
             self._spills.files.pop(0)
             count("spill_files_replayed")
         return True
 
-    # -- the quarantine ---------------------------------------------------------------------------
-    def _quarantine(self, item: tuple[str, Any], exc: BaseException) -> None:
-        """Set aside one record the database refused for its own data (the writer's isolation)."""
-        kind, payload = item
-        if kind == "quarantine":  # its own row failed: store the description alone
-            rollout_id, reason, text, kind = (list(payload) + [None] * 4)[:4] if isinstance(payload, list) else \
-                (None, f"{type(exc).__name__}: {exc}", repr(payload)[:10_000], "quarantine")
+    def _quarantine(self, op: Op, exc: BaseException) -> None:
+        """Set aside one op the database refused for its own data (the writer's isolation)."""
+        if type(op) is Quarantine:  # a description whose batch failed: stored alone
+            note = op
         else:
-            rollout_id, reason, text = describe(kind, payload, exc)
-        if kind == "span":
-            self._sharer.drop(payload.rollout_id, payload.seq)
-        elif kind == "span_values" and isinstance(payload, (list, tuple)) and len(payload) > 1:
-            self._sharer.drop(payload[0], payload[1])
+            note = describe(op, exc)
+        if type(op) is TracedSpan:
+            self._sharer.drop(op.row.rollout_id, op.row.seq)
+        elif type(op) is EncodedSpan and len(op.values) > 1:
+            self._sharer.drop(op.values[0], op.values[1])
         conn = self._wconn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            added = insert_quarantine(conn, str(kind), rollout_id, str(reason), str(text))
+            added = insert_quarantine(conn, str(note.what), note.rollout_id, str(note.reason), str(note.payload))
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -362,28 +300,98 @@ class SQLiteStore(Store):
         if added:
             count("records_quarantined")
             report_failure("record quarantined", message=(
-                f"lightning-rl: a {kind} record could not be written to {self.path!r} ({reason[:300]}); it is kept in "
-                "the store's quarantine with its original form and the rest of its batch was written. "
+                f"lightning-rl: a {note.what} record could not be written to {self.path!r} ({note.reason[:300]}); it "
+                "is kept in the store's quarantine with its original form and the rest of its batch was written. "
                 f"`lightning-rl store doctor --store {self.path}` lists what is there (logged once)"))
 
-    def _quarantined(self, limit: int) -> list[QuarantinedRecord]:
+    # -- RolloutReader ------------------------------------------------------------------------------
+    def _read(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
         with self._rlock:
-            return read_quarantine(self._rconn, limit)
+            return self._rconn.execute(statement, params).fetchall()
 
-    def _after_fork(self) -> None:
-        """In a forked child: fresh connections and writer; the parent writes what it had queued."""
-        self._closed = False
-        _spill_folders_in_use.clear()  # the parent's stores are not open in this process
-        self._open()
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        with self._rlock:
+            rollout = sql.get_rollout(self._rconn, rollout_id)
+        if rollout is None:
+            raise checks.not_found(rollout_id, self.url)
+        return rollout
 
-    # -- task queue: synchronous, atomic across processes ------------------------------------------
+    def rollouts(self, *, mode: str | None = None, status: str | RolloutStatus | None = None,
+                 since: float | dt.datetime | None = None, min_policy_version: int | None = None,
+                 limit: int | None = None, newest_first: bool = False) -> list[Rollout]:
+        mode, status, since = checks.rollout_filters(mode, status, since, min_policy_version, limit)
+        with self._rlock:
+            return sql.query_rollouts(self._rconn, mode=mode, status=status, since=since,
+                                      min_policy_version=min_policy_version, limit=limit, newest_first=newest_first)
+
+    def rollout_page(self, query: RolloutQuery | None = None, **filters: Any) -> RolloutPage:
+        query = checks.rollout_query(query, filters)
+        with self._rlock:
+            return sql.rollout_page(self._rconn, query)
+
+    def spans(self, rollout_id: str) -> list[Span]:
+        self.get_rollout(rollout_id)
+        with self._rlock:
+            return sql.spans_of(self._rconn, rollout_id)
+
+    def rewards(self, rollout_id: str) -> list[Reward]:
+        self.get_rollout(rollout_id)
+        with self._rlock:
+            return sql.rewards_of(self._rconn, rollout_id)
+
+    def rollout_data(self, rollout_ids: Sequence[str]) -> Iterator[tuple[Rollout, list[Span], list[Reward]]]:
+        for rollout_id in rollout_ids:  # one at a time: a long rollout's tokens are large once unpacked
+            rollout = self.get_rollout(rollout_id)
+            with self._rlock:
+                spans, rewards = sql.spans_of(self._rconn, rollout_id), sql.rewards_of(self._rconn, rollout_id)
+            yield rollout, spans, rewards
+
+    # -- RolloutIndex -------------------------------------------------------------------------------
+    def existing_rollout_ids(self, rollout_ids: Iterable[str]) -> set[str]:
+        with self._rlock:
+            return sql.existing_ids(self._rconn, rollout_ids)
+
+    def rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        with self._rlock:
+            return sql.ids_with_prefix(self._rconn, prefix, limit)
+
+    def llm_call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        with self._rlock:
+            return sql.llm_call_counts(self._rconn, rollout_ids)
+
+    def last_activity(self, rollout_id: str) -> float | None:
+        with self._rlock:
+            return sql.last_activity(self._rconn, rollout_id)
+
+    # -- RewardLog ----------------------------------------------------------------------------------
+    def add_reward(self, rollout_id: str, value: float, name: str = "reward", *, llm_call_index: int | None = None,
+                   agent: str | None = None, source: str | RewardSource = RewardSource.FEEDBACK,
+                   uid: str | None = None) -> Reward:
+        self._writable("add_reward")
+        reward = checks.new_reward(rollout_id, value, name, llm_call_index=llm_call_index, agent=agent, source=source,
+                                   uid=uid)
+        self.flush()  # a rollout that just finished in this process must be visible
+        self.get_rollout(rollout_id)
+        self._writer.put(WriteReward(reward))
+        if not self.flush(Settings.from_env().flush_timeout):
+            raise StoreError(f"reward for {rollout_id!r} queued but not confirmed on disk in {self.path!r} in time")
+        return reward
+
+    def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
+        checks.check_position(after)
+        checks.check_count(limit, "limit")
+        with self._rlock:
+            rows = sql.rewards_after(self._rconn, after, name, limit)
+        return list(dict.fromkeys(rid for _, rid in rows)), (rows[-1][0] if rows else after)
+
+    # -- TaskQueue (synchronous, atomic across processes) --------------------------------------------
     def _queue_txn(self, fn):
         if self.read_only:  # reads of the queue only; a write is refused by query_only, said as read-only
             with self._rlock:
                 conn = self._rconn
                 conn.execute("BEGIN")
                 try:
-                    return fn(_SQLiteQueueView(conn))
+                    return fn(QueueView(conn))
                 except sqlite3.OperationalError as exc:
                     self._writable(f"the task queue ({exc})")
                     raise
@@ -393,7 +401,7 @@ class SQLiteStore(Store):
             conn = self._qconn
             conn.execute("BEGIN IMMEDIATE")
             try:
-                result = fn(_SQLiteQueueView(conn))
+                result = fn(QueueView(conn))
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -401,191 +409,41 @@ class SQLiteStore(Store):
                 raise
         return result
 
-    # -- reads ------------------------------------------------------------------------------------
-    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+    def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
+                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+        self._writable("enqueue")
+        return task_queue.enqueue_in(self._queue_txn, task, n=n, mode=mode, max_tries=max_tries, group_id=group_id,
+                                     once=once)
+
+    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
+              key: str | None = None) -> list[QueueEntry]:
+        return task_queue.lease_in(self._queue_txn, runner, lease_seconds=lease_seconds, limit=limit, key=key,
+                                   expire_rollout=self.expire_rollout, flush=self.flush)
+
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
+        return task_queue.heartbeat_in(self._queue_txn, queue_id, runner, lease_seconds)
+
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+        self.flush()  # the records written so far go first
+        return task_queue.complete_in(self._queue_txn, queue_id, runner, outcome)
+
+    def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        return task_queue.entries_in(self._queue_txn, group_ids)
+
+    def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
+        self._put(ExpireTry(task_queue.tombstone(entry, reason)), "expire_rollout")
+
+    # -- PolicyLog ----------------------------------------------------------------------------------
+    def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
+                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
+        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on)
+        self._queue_txn(lambda view: insert_policy(view.conn, record))  # durable on return, as the queue
+        return record
+
+    def policies(self, served_name: str | None = None) -> list[PolicyRecord]:
         with self._rlock:
-            return self._rconn.execute(sql, params).fetchall()
+            return sql.query_policies(self._rconn, served_name)
 
-    def _get_rollout(self, rollout_id: str) -> Rollout | None:
-        rows = self._read(f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM rollouts WHERE rollout_id = ?", (rollout_id,))
-        found = rollouts_from_rows(rows)
-        return found[0] if found else None
-
-    def _query_rollouts(self, *, mode, status, since, min_policy_version, limit, newest_first) -> list[Rollout]:
-        where, params = [], []
-        for clause, value in (("mode = ?", mode), ("status = ?", status), ("start_time >= ?", since),
-                              ("policy_version >= ?", min_policy_version)):
-            if value is not None:
-                where.append(clause)
-                params.append(value)
-        sql = f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM rollouts"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY start_time DESC, rowid DESC" if newest_first else " ORDER BY start_time, rowid"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(int(limit))
-        return rollouts_from_rows(self._read(sql, tuple(params)))
-
-    def _rollout_page(self, query: RolloutQuery) -> RolloutPage:
-        """In SQL: filters on the rollouts' columns (indexed by mode and start), the reward sum joined
-        only when it is filtered or sorted on; otherwise read for the page's rows alone."""
-        where, params = [], []
-        for column, value in (("mode", query.mode), ("status", query.status), ("agent", query.agent),
-                              ("group_id", query.group_id), ("policy_version", query.policy_version)):
-            if value is not None:
-                where.append(f"r.{column} = ?")
-                params.append(value.value if hasattr(value, "value") else value)
-        if query.text:
-            pattern = "%" + query.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-            where.append("(r.task LIKE ? ESCAPE '\\' OR r.rollout_id LIKE ? ESCAPE '\\')")
-            params += [pattern, pattern]
-        by_reward = query.sort == "reward" or query.reward_min is not None or query.reward_max is not None
-        sums = ("(SELECT rollout_id, SUM(value) AS reward, COUNT(*) AS n FROM rewards WHERE name = 'reward' "
-                "GROUP BY rollout_id)")
-        source = f"rollouts r LEFT JOIN {sums} w ON w.rollout_id = r.rollout_id" if by_reward else "rollouts r"
-        if query.reward_min is not None:
-            where.append("w.reward >= ?")
-            params.append(query.reward_min)
-        if query.reward_max is not None:
-            where.append("w.reward <= ?")
-            params.append(query.reward_max)
-        clause = (" WHERE " + " AND ".join(where)) if where else ""
-        direction = "DESC" if query.descending else "ASC"
-        column = "w.reward" if query.sort == "reward" else f"r.{query.sort}"
-        # columns that are never NULL sort without the NULLs-last term, so an index can give the order
-        nulls_last = "" if query.sort in ("start_time", "status", "mode", "rollout_id") else f"{column} IS NULL, "
-        order = f"{nulls_last}{column} {direction}, r.start_time {direction}, r.rowid {direction}"
-        columns = ", ".join(f"r.{c}" for c in ROLLOUT_COLUMNS)
-        extra = ", w.reward, w.n" if by_reward else ""
+    def latest_policies(self) -> dict[str, PolicyRecord]:
         with self._rlock:
-            total = self._rconn.execute(f"SELECT count(*) FROM {source}{clause}", params).fetchone()[0]
-            found = self._rconn.execute(f"SELECT {columns}{extra} FROM {source}{clause} ORDER BY {order} LIMIT ? OFFSET ?",
-                                        (*params, query.limit, query.offset)).fetchall()
-            n = len(ROLLOUT_COLUMNS)
-            if by_reward:
-                rewards = {row[0]: (row[n], row[n + 1] or 0) for row in found}
-            else:
-                ids = [row[0] for row in found]
-                marks = ", ".join("?" * len(ids))
-                rewards = {rid: (total_, count_) for rid, total_, count_ in self._rconn.execute(
-                    f"SELECT rollout_id, SUM(value), COUNT(*) FROM rewards WHERE name = 'reward' AND rollout_id IN "
-                    f"({marks}) GROUP BY rollout_id", ids).fetchall()} if ids else {}
-        rows = [RolloutRow(rollout=rollout, reward=rewards.get(rollout.rollout_id, (None, 0))[0],
-                           rewards=rewards.get(rollout.rollout_id, (None, 0))[1])
-                for rollout in rollouts_from_rows([row[:n] for row in found])]
-        return RolloutPage(rows=rows, total=total)
-
-    def _last_activity(self, rollout: Rollout) -> float:
-        """Without reading the spans' token columns (the gateway's orphan sweep asks every minute)."""
-        (span_end,), = self._read("SELECT max(end_ns) FROM spans WHERE rollout_id = ?", (rollout.rollout_id,))
-        (reward_time,), = self._read("SELECT max(time) FROM rewards WHERE rollout_id = ?", (rollout.rollout_id,))
-        return max(rollout.start_time, (span_end or 0) / 1e9, reward_time or 0.0)
-
-    def _rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
-        rows = self._read("SELECT rollout_id FROM rollouts WHERE rollout_id >= ? AND rollout_id < ? ORDER BY rollout_id "
-                          "LIMIT ?", (prefix, prefix + "\U0010ffff", int(limit)))
-        return [r[0] for r in rows]
-
-    def llm_call_counts(self, rollout_ids) -> dict[str, int]:
-        ids = list(rollout_ids)
-        counts = dict.fromkeys(self.existing_rollout_ids(ids), 0)
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            rows = self._read(
-                "SELECT rollout_id, count(*) FROM spans WHERE rollout_id IN (" + ", ".join("?" * len(chunk)) + ") "
-                "AND CASE WHEN json_valid(attributes) THEN json_extract(attributes, '$.\"gen_ai.operation.name\"') END "
-                "IN ('chat', 'text_completion') "
-                "GROUP BY rollout_id", tuple(chunk))
-            counts.update({rid: n for rid, n in rows})
-        return counts
-
-    def _get_spans(self, rollout_id: str) -> list[Span]:
-        rows = self._read(f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE rollout_id = ? ORDER BY seq", (rollout_id,))
-        return spans_from_rows(rows)
-
-    def _get_rewards(self, rollout_id: str) -> list[Reward]:
-        rows = self._read(f"SELECT {', '.join(REWARD_COLUMNS)} FROM rewards WHERE rollout_id = ? ORDER BY reward_id", (rollout_id,))
-        return [reward_from_values(r) for r in rows]
-
-    def _insert_reward(self, reward: Reward) -> None:
-        self._writer.put("reward", reward)
-        if not self.flush(Settings.from_env().flush_timeout):
-            raise StoreError(f"reward for {reward.rollout_id!r} queued but not confirmed on disk in {self.path!r} in time")
-
-    def _rewards_after(self, after: int, name: str | None, limit: int) -> list[tuple[int, str]]:
-        sql = "SELECT reward_id, rollout_id FROM rewards WHERE reward_id > ?"
-        params: tuple = (after,)
-        if name is not None:
-            sql, params = sql + " AND name = ?", (after, name)
-        return [tuple(r) for r in self._read(sql + " ORDER BY reward_id LIMIT ?", (*params, int(limit)))]
-
-    def _insert_policy(self, record: PolicyRecord) -> None:
-        def insert(view: _SQLiteQueueView) -> None:
-            view._conn.execute(
-                "INSERT INTO policies (served_name, version, adapter, time, trained_on) VALUES (?, ?, ?, ?, ?)",
-                (record.served_name, record.version, record.adapter, record.time,
-                 None if record.trained_on is None else orjson.dumps(record.trained_on).decode()))
-        self._queue_txn(insert)
-
-    def _query_policies(self, served_name: str | None, latest: bool = False) -> list[PolicyRecord]:
-        where, params = [], []
-        if served_name is not None:
-            where, params = ["served_name = ?"], [served_name]
-        if latest:
-            where.append("publish_id IN (SELECT max(publish_id) FROM policies GROUP BY served_name)")
-        sql = "SELECT served_name, version, adapter, time, trained_on FROM policies"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        params = tuple(params)
-        rows = self._read(sql + " ORDER BY publish_id", params)
-        return [PolicyRecord(served_name=n, version=v, adapter=a, time=t,
-                             trained_on=None if g is None else orjson.loads(g)) for n, v, a, t, g in rows]
-
-
-# Spill folders of stores open in this process: a store opened on a folder nobody here uses may take
-# this process's own leftover files too (a store closed with a backlog, then opened again).
-_spill_folders_in_use: set[Path] = set()
-_spill_folders_lock = threading.Lock()
-
-
-def _claim_spill_folder(folder: Path) -> bool:
-    with _spill_folders_lock:
-        first = folder not in _spill_folders_in_use
-        _spill_folders_in_use.add(folder)
-        return first
-
-
-def _release_spill_folder(folder: Path) -> None:
-    with _spill_folders_lock:
-        _spill_folders_in_use.discard(folder)
-
-
-class _SQLiteQueueView:
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    def select(self, *, status, group_ids=None, queue_id=None, limit=None):
-        statuses = [str(getattr(x, "value", x)) for x in status]
-        sql = f"SELECT {', '.join(QUEUE_COLUMNS)} FROM queue WHERE status IN ({', '.join('?' * len(statuses))})"
-        params: list[Any] = list(statuses)
-        if group_ids is not None:
-            sql += f" AND group_id IN ({', '.join('?' * len(group_ids))})"
-            params += list(group_ids)
-        if queue_id is not None:
-            sql += " AND queue_id = ?"
-            params.append(queue_id)
-        sql += " ORDER BY created, attempt"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
-        return [queue_from_values(r) for r in self._conn.execute(sql, params).fetchall()]
-
-    def put(self, entries) -> None:
-        rows = [queue_values(e) for e in entries]
-        if rows:
-            self._conn.executemany(
-                f"INSERT OR REPLACE INTO queue ({', '.join(QUEUE_COLUMNS)}) VALUES ({', '.join('?' * len(QUEUE_COLUMNS))})",
-                rows,
-            )
-
+            return {p.served_name: p for p in sql.query_policies(self._rconn, None, latest=True)}

@@ -16,7 +16,11 @@ Rules:
   the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused). A done entry
   keeps the runner that completed it, so that runner repeating the same outcome (a retry after a lost
   answer) is told yes again.
-* ``wait(group_ids)`` waits until every entry of those groups is done.
+* ``queries.wait_for_groups(store, group_ids)`` waits until every entry of those groups is done.
+
+A store that holds its queue itself (SQLite, memory) runs these rules inside one transaction of its
+own (``txn(fn)``: ``fn(view)`` atomically): its ``enqueue``, ``lease``, ... are a line each over the
+functions at the end of this module.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..errors import ConfigurationError
-from ..records import Mode, QueueEntry, QueueStatus, RolloutStatus
+from ..records import Mode, QueueEntry, QueueStatus, Rollout, RolloutStatus
+from .checks import check_task
 
 T = TypeVar("T")
+Txn = Callable[[Callable[["QueueView"], T]], T]
 
 
 class QueueView(Protocol):
@@ -106,10 +112,6 @@ def complete(view: QueueView, queue_id: str, runner: str, outcome: RolloutStatus
     return True
 
 
-def pending(view: QueueView, group_ids: Sequence[str]) -> int:
-    return len(view.select(status=[QueueStatus.QUEUED, QueueStatus.LEASED], group_ids=list(group_ids)))
-
-
 def wait_until(check: Callable[[], T], done: Callable[[T], bool], timeout: float | None, poll: float = 0.05) -> T:
     deadline = None if timeout is None else time.monotonic() + timeout
     value = check()
@@ -119,3 +121,56 @@ def wait_until(check: Callable[[], T], done: Callable[[T], bool], timeout: float
         time.sleep(poll)
         value = check()
     return value
+
+
+def tombstone(entry: QueueEntry, reason: str) -> Rollout:
+    """The rollout row of an expired try that never started: ``timed_out`` at once, so a late start
+    cannot bring it back as a success outside the queue."""
+    now = time.time()
+    return Rollout(rollout_id=entry.rollout_id, task=entry.task, group_id=entry.group_id, attempt=entry.attempt,
+                   mode=entry.mode, status=RolloutStatus.TIMED_OUT, start_time=now, end_time=now, error=reason)
+
+
+# -- a store's TaskQueue methods, over its transactions ------------------------------------------------
+def enqueue_in(txn: Txn, task: Any, *, n: int, mode: str, max_tries: int, group_id: str | None,
+               once: bool) -> list[QueueEntry]:
+    check_task(task, mode=mode, max_tries=max_tries)
+    entries = new_group(task, n, mode=mode, max_tries=max_tries, group_id=group_id)
+
+    def put(view: QueueView) -> list[QueueEntry]:
+        if once and group_id is not None:
+            existing = view.select(status=list(QueueStatus), group_ids=[group_id])
+            if existing:
+                return existing
+        view.put(entries)
+        return entries
+
+    return txn(put)
+
+
+def lease_in(txn: Txn, runner: str, *, lease_seconds: float, limit: int, key: str | None,
+             expire_rollout: Callable[[QueueEntry, str], None], flush: Callable[[], object]) -> list[QueueEntry]:
+    """:func:`lease` in one transaction; the expired tries' rollouts are marked (``expire_rollout``) and
+    flushed before the answer, so they read ``timed_out`` by the time their retries are handed out."""
+    expired: list[QueueEntry] = []
+
+    def expire(entry: QueueEntry, reason: str) -> None:
+        expire_rollout(entry, reason)
+        expired.append(entry)
+
+    leased = txn(lambda view: lease(view, runner, lease_seconds, limit, time.time(), expire, key))
+    if expired:
+        flush()
+    return leased
+
+
+def heartbeat_in(txn: Txn, queue_id: str, runner: str, lease_seconds: float) -> bool:
+    return txn(lambda view: heartbeat(view, queue_id, runner, lease_seconds, time.time()))
+
+
+def complete_in(txn: Txn, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    return txn(lambda view: complete(view, queue_id, runner, outcome))
+
+
+def entries_in(txn: Txn, group_ids: Sequence[str] | None) -> list[QueueEntry]:
+    return txn(lambda view: view.select(status=list(QueueStatus), group_ids=group_ids))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ConfigurationError
-from .base import Store
+from .protocols import Store
 
 SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://", "http(s)://HOST:PORT (lightning-rl store serve)")
 

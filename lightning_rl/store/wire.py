@@ -8,6 +8,10 @@ batch it is unsure about:
 * ``reward``: one row per ``uid`` (a repeat is ignored);
 * ``finish_rollout``: a status transition (a repeat is refused by the lifecycle rules, harmlessly).
 
+They are the writer's own operations (``store/ops.py``) as JSON: :func:`encode` writes one (also what a
+spill file holds, one per line, with two more that never travel: ``expire_try`` and ``quarantine``),
+:func:`to_ops` turns a validated batch back into them, :func:`decode` reads a spill line.
+
 Types are checked strictly (``"5"`` is not an int); :func:`check_ops` adds the rules types cannot
 say (hex ids, token ids, finite log-probs, ...). Every problem is reported with its path in the batch.
 """
@@ -21,11 +25,12 @@ import struct
 from typing import Annotated, Any, Literal, Union
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from .. import semconv as sc
 from ..boundaries import NonNegativeInt64, attribute_problems, json_problem
-from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span, SpanRow
+from ..records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span
+from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
 from .rows import OTEL_COLUMNS, span_record_values, span_values, with_messages
 
 API_PREFIX = "/v1"
@@ -49,8 +54,9 @@ _LogProb = Annotated[float, Field(le=0, allow_inf_nan=False)]
 
 
 def _span_attributes() -> type:
-    """The attributes of a span on the wire: any keys, but the token fields are typed, so that bad
-    token ids are caught while the JSON is parsed (in pydantic-core, not in a Python loop)."""
+    """The attributes of a span on the wire: any keys, but the token-array keys of the conventions are
+    typed, so that bad token ids (which the assembly would read as a call's tokens) are caught while the
+    JSON is parsed (in pydantic-core, not in a Python loop)."""
     from typing_extensions import TypedDict
 
     typed = TypedDict("SpanAttributes", {  # type: ignore[misc]
@@ -86,7 +92,7 @@ class WireListTokens(_Wire):
 
 class WireSpan(Span):
     """A span as sent to the server: :class:`Span` with ``tokens`` packed (what HttpStore sends) or
-    as lists. Token arrays given as attributes (clients before 0.2) are still typed and taken."""
+    as lists. Token arrays given as attributes are checked, and stored as the attributes they are."""
 
     attributes: SpanAttributes = Field(default_factory=dict)  # type: ignore[valid-type]
     tokens: WireTokens | WireListTokens | None = None  # type: ignore[assignment]
@@ -117,11 +123,11 @@ class FinishRolloutOp(_Wire):
     policy_version: NonNegativeInt64 | None = None
 
 
-Op = Annotated[Union[StartRolloutOp, SpanOp, RewardOp, FinishRolloutOp], Field(discriminator="op")]
+WireOp = Annotated[Union[StartRolloutOp, SpanOp, RewardOp, FinishRolloutOp], Field(discriminator="op")]
 
 
 class Batch(_Wire):
-    ops: list[Op] = Field(max_length=MAX_BATCH_OPS)
+    ops: list[WireOp] = Field(max_length=MAX_BATCH_OPS)
 
 
 class BatchResult(_Wire):
@@ -176,7 +182,7 @@ class PolicyIn(_Wire):
     version: NonNegativeInt64
     adapter: str | None = Field(None, max_length=4096)
     time: float | None = None
-    # Lineage: the group ids this version was trained on, in batch order (absent from older clients).
+    # Lineage: the group ids this version was trained on, in batch order.
     trained_on: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] | None = Field(
         None, max_length=100_000)
 
@@ -343,19 +349,56 @@ def op_indices(messages: list[str]) -> list[int]:
     return sorted({int(m.group(1)) for text in messages for m in [_OP_INDEX.match(text)] if m})
 
 
-def to_store_items(ops: list[Any]) -> list[tuple[str, Any]]:
-    """Validated ops as the SQLite writer's items (spans as row tuples, JSON encoded once)."""
-    items: list[tuple[str, Any]] = []
+class ExpireTryOp(_Wire):
+    """The queue gave up on a try (spill files only: a store server expires tries itself)."""
+
+    op: Literal["expire_try"]
+    rollout: Rollout
+
+
+class QuarantineOp(_Wire):
+    """A record kept as its description (spill files only)."""
+
+    op: Literal["quarantine"]
+    what: str
+    rollout_id: str | None = None
+    reason: str
+    payload: str
+
+
+SpillOp = Annotated[Union[StartRolloutOp, SpanOp, RewardOp, FinishRolloutOp, ExpireTryOp, QuarantineOp],
+                    Field(discriminator="op")]
+SPILL_LINE = TypeAdapter(SpillOp)
+
+
+def to_ops(ops: list[Any]) -> list[Op]:
+    """Validated wire ops as the writer's ops (spans as ``spans`` rows, JSON encoded once, here)."""
+    out: list[Op] = []
     for op in ops:
-        if isinstance(op, SpanOp):
-            items.append(("span_values", span_record_values(op.span)))
-        elif isinstance(op, StartRolloutOp):
-            items.append(("rollout", op.rollout))
-        elif isinstance(op, RewardOp):
-            items.append(("reward", op.reward))
+        kind = type(op)
+        if kind is SpanOp:
+            out.append(EncodedSpan(span_record_values(op.span)))
+        elif kind is StartRolloutOp:
+            out.append(StartRollout(op.rollout))
+        elif kind is RewardOp:
+            out.append(WriteReward(op.reward))
+        elif kind is FinishRolloutOp:
+            out.append(FinishRollout(op.rollout_id, op.status, op.end_time, op.error, op.policy_version))
+        elif kind is ExpireTryOp:
+            out.append(ExpireTry(op.rollout))
         else:
-            items.append(("finish", (op.rollout_id, op.status.value, op.end_time, op.error, op.policy_version)))
-    return items
+            out.append(Quarantine(op.what, op.rollout_id, op.reason, op.payload))
+    return out
+
+
+def decode(line: bytes) -> Op:
+    """A spill-file line as the op it holds; ValueError, naming what is wrong, for a line that is not one."""
+    try:
+        return to_ops([SPILL_LINE.validate_json(line, strict=True)])[0]
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise ValueError(f"not an op this version writes ({'.'.join(str(p) for p in first['loc']) or 'line'}: "
+                         f"{first['msg']})") from None
 
 
 # -- encoding (client side): one JSON line per op, also the spill file's format ----------------------
@@ -363,37 +406,40 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def encode_span(row: SpanRow) -> bytes:
-    """The span as the ``spans`` row already encodes it; its attributes and events JSON is embedded
-    as is (``orjson.Fragment``), not parsed and dumped again; token arrays go as base64 of their bytes."""
-    values = span_values(row)
+_BLOBS = slice(len(OTEL_COLUMNS) + 2, len(OTEL_COLUMNS) + 5)  # prompt, response, log-probs (packed)
+
+
+def _span(values: tuple) -> bytes:
+    """A ``spans`` row (whole prompts and messages) as a span op: the attributes and events JSON is
+    embedded as is (``orjson.Fragment``), not parsed and dumped again; token arrays go as base64."""
     span = dict(zip(OTEL_COLUMNS, values))
     span["attributes"] = orjson.Fragment(with_messages(span["attributes"], values[-2], values[-1]))
     span["events"] = orjson.Fragment(span["events"]) if span["events"] else []
-    tokens = row.tokens
-    if tokens is not None:
-        span["tokens"] = {"prompt": _b64(tokens.prompt), "response": _b64(tokens.response),
-                          "logprobs": _b64(tokens.logprobs) if tokens.logprobs is not None else None}
+    prompt, response, logprobs = values[_BLOBS]
+    if prompt is not None:
+        span["tokens"] = {"prompt": _b64(prompt), "response": _b64(response),
+                          "logprobs": _b64(logprobs) if logprobs is not None else None}
     return orjson.dumps({"op": "span", "span": span})
 
 
-def encode_rollout(rollout: Rollout) -> bytes:
-    return orjson.dumps({"op": "start_rollout", "rollout": rollout.model_dump(mode="json")})
+_ENCODERS = {
+    TracedSpan: lambda op: _span(span_values(op.row)),
+    EncodedSpan: lambda op: _span(op.values),
+    StartRollout: lambda op: orjson.dumps({"op": "start_rollout", "rollout": op.rollout.model_dump(mode="json")}),
+    WriteReward: lambda op: orjson.dumps({"op": "reward", "reward": op.reward.model_dump(mode="json")}),
+    FinishRollout: lambda op: orjson.dumps({
+        "op": "finish_rollout", "rollout_id": op.rollout_id, "status": RolloutStatus(op.status).value,
+        "end_time": op.end_time, "error": op.error, "policy_version": op.policy_version}),
+    ExpireTry: lambda op: orjson.dumps({"op": "expire_try", "rollout": op.tombstone.model_dump(mode="json")}),
+    Quarantine: lambda op: orjson.dumps({"op": "quarantine", "what": op.what, "rollout_id": op.rollout_id,
+                                         "reason": op.reason, "payload": op.payload}),
+}
 
 
-def encode_reward(reward: Reward) -> bytes:
-    return orjson.dumps({"op": "reward", "reward": reward.model_dump(mode="json")})
-
-
-def encode_finish(rollout_id: str, status: RolloutStatus | str, end_time: float, error: str | None,
-                  policy_version: int | None = None) -> bytes:
-    op = {"op": "finish_rollout", "rollout_id": rollout_id, "status": RolloutStatus(status).value,
-          "end_time": end_time, "error": error}
-    if policy_version is not None:  # absent otherwise: a store server from before versions took it
-        op["policy_version"] = policy_version
-    return orjson.dumps(op)
+def encode(op: Op) -> bytes:
+    """One op as its JSON line (raises TypeError for a value JSON cannot hold)."""
+    return _ENCODERS[type(op)](op)
 
 
 def batch_body(ops: list[bytes]) -> bytes:
     return b'{"ops":[' + b",".join(ops) + b"]}"
-

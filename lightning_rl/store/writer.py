@@ -1,8 +1,8 @@
-"""A background writer with a bounded queue: batches items, applies back-pressure, never drops.
+"""A background writer with a bounded queue: batches ops, applies back-pressure, never drops.
 
-Producers call ``put``; when the queue holds ``maxsize`` items they wait (back-pressure) instead of
-dropping anything. The writer thread takes everything queued as one batch and hands it to
-``apply``. A batch that keeps failing is retried with backoff for ``give_up_after`` seconds and then
+Producers call ``put`` with an op (``store/ops.py``); when the queue holds ``maxsize`` ops they wait
+(back-pressure) instead of dropping anything. The writer thread takes everything queued as one batch
+and hands it to ``apply``. A batch that keeps failing is retried with backoff for ``give_up_after`` seconds and then
 handed to ``spill`` (a file next to the store) so that it is kept, never silently lost.
 
 Order is kept: once a batch is spilled, every later batch is spilled behind it until ``replay``
@@ -12,8 +12,8 @@ says whether it was applied.
 
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
-cannot bind, a payload from another version) is not retried: it is split in halves, down to the
-records that fail on their own, which go to ``quarantine`` with the error; the rest is written.
+cannot bind) is not retried: it is split in halves, down to the ops that fail on their own, which go
+to ``quarantine`` with the error; the rest is written.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ..diagnostics import count, report_failure
-
-FLUSH = "flush"
 
 
 class _Marker:
@@ -41,17 +39,17 @@ class _Marker:
 class BackgroundWriter:
     def __init__(
         self,
-        apply: Callable[[list[tuple[str, Any]]], None],
+        apply: Callable[[list[Any]], None],
         *,
         maxsize: int = 8192,
         name: str = "lightning-rl-writer",
-        spill: Callable[[list[tuple[str, Any]]], None] | None = None,
+        spill: Callable[[list[Any]], None] | None = None,
         replay: Callable[[], bool] | None = None,
         backlog: Callable[[], bool] | None = None,
         give_up_after: float = 30.0,
         replay_every: float = 1.0,
         linger: float = 0.002,
-        quarantine: Callable[[tuple[str, Any], BaseException], None] | None = None,
+        quarantine: Callable[[Any, BaseException], None] | None = None,
         is_record_error: Callable[[BaseException], bool] | None = None,
     ) -> None:
         self._apply = apply
@@ -70,12 +68,12 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
-        self._buf: list[tuple[str, Any]] = []
+        self._buf: list[Any] = []  # ops, and flush markers
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, kind: str, payload: Any) -> None:
+    def put(self, op: Any) -> None:
         with self._lock:
             if len(self._buf) >= self._maxsize:
                 count("writer_backpressure_waits")
@@ -83,12 +81,12 @@ class BackgroundWriter:
                     self._not_full.wait()
             if self._closed:
                 raise RuntimeError(f"{self._name} is closed")
-            self._buf.append((kind, payload))
+            self._buf.append(op)
             if len(self._buf) == 1:
                 self._not_empty.notify()
 
-    def put_many(self, items: list[tuple[str, Any]]) -> None:
-        """Queue ``items`` together (one wait for room: a batch may overshoot ``maxsize`` once)."""
+    def put_many(self, ops: list[Any]) -> None:
+        """Queue ``ops`` together (one wait for room: a batch may overshoot ``maxsize`` once)."""
         with self._lock:
             while len(self._buf) >= self._maxsize and not self._closed:
                 count("writer_backpressure_waits")
@@ -96,7 +94,7 @@ class BackgroundWriter:
             if self._closed:
                 raise RuntimeError(f"{self._name} is closed")
             was_empty = not self._buf
-            self._buf.extend(items)
+            self._buf.extend(ops)
             if was_empty:
                 self._not_empty.notify()
 
@@ -118,7 +116,7 @@ class BackgroundWriter:
                 return None
         marker = _Marker()
         try:
-            self.put(FLUSH, marker)
+            self.put(marker)
         except RuntimeError:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -165,9 +163,9 @@ class BackgroundWriter:
                 # have to wake this thread (a flush marker still goes through within a few ms).
                 time.sleep(self._linger)
 
-    def write(self, items: list[tuple[str, Any]]) -> None:
-        """Apply ``items``, setting aside the records that fail for a reason in their own data (halves,
-        recursively, down to single records, which are quarantined). Raises what is not the records'
+    def write(self, items: list[Any]) -> None:
+        """Apply the ops ``items``, setting aside those that fail for a reason in their own data (halves,
+        recursively, down to single ops, which are quarantined). Raises what is not the records'
         fault (the store cannot be written): the caller retries or spills, idempotently."""
         try:
             self._apply(items)
@@ -196,7 +194,7 @@ class BackgroundWriter:
             report_failure("spill replay", exc)
             return False
 
-    def _spill_or_retry(self, items: list[tuple[str, Any]]) -> bool:
+    def _spill_or_retry(self, items: list[Any]) -> bool:
         try:
             self._spill(items)
         except Exception as spill_exc:  # keep retrying: dropping is not an option
@@ -205,9 +203,9 @@ class BackgroundWriter:
         count("spilled_batches")
         return True
 
-    def _apply_with_retry(self, batch: list[tuple[str, Any]]) -> None:
-        markers = [payload for kind, payload in batch if kind == FLUSH]
-        items = [item for item in batch if item[0] != FLUSH] if markers else batch
+    def _apply_with_retry(self, batch: list[Any]) -> None:
+        markers = [op for op in batch if type(op) is _Marker]
+        items = [op for op in batch if type(op) is not _Marker] if markers else batch
         spilled = False
         # The backlog is tried on its timer whatever this batch holds: a process whose traffic is only
         # flushes (a trainer reading what it wrote) never goes idle, and must still write it back.
@@ -232,8 +230,5 @@ class BackgroundWriter:
                 delay = min(delay * 2, 1.0)
         backlog = self._backlog() if self._replay is not None else spilled
         for marker in markers:
-            if isinstance(marker, _Marker):
-                marker.spilled = backlog
-                marker.event.set()
-            else:
-                marker.set()
+            marker.spilled = backlog
+            marker.event.set()

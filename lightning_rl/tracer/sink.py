@@ -1,4 +1,8 @@
-"""The narrow interface the tracer writes to. Stores implement it; the tracer knows nothing else."""
+"""The narrow interface the tracer writes to. Stores implement it; the tracer knows nothing else.
+
+The store states the same five methods in ``store/protocols.py`` (it never imports the tracer), as the
+first part of its ``Store`` protocol; ``tests/store/test_protocols.py`` keeps the two the same.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ class SpanSink(Protocol):
         policy_version: int | None = None,
     ) -> None: ...
 
-    # Optional: ``policy_versions() -> dict[str, int]``, the latest publish of each served name
-    # (stores have it); the tracer stamps LLM calls from it.
+    # Optional: ``latest_policies() -> dict[str, PolicyRecord]``, the latest publish of each served name
+    # (every store has it: its PolicyLog); the tracer stamps LLM calls with those versions.
 
     def flush(self, timeout: float | None = None) -> bool: ...

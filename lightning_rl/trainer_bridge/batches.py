@@ -14,7 +14,7 @@ from typing import Any
 
 from ..diagnostics import counters
 from ..records import Sample
-from ..store.samples import SampleStats, trajectory_samples
+from ..store.training_samples import SampleStats, trajectory_samples
 from .failures import FailureCounts, failure_kind, with_failure_reward
 from .sources import StepBatch
 

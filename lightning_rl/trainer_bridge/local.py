@@ -36,7 +36,7 @@ import torch
 from ..boundaries import check_int
 from ..errors import ConfigurationError
 from ..records import Sample
-from ..store.samples import group_keys
+from ..store.training_samples import group_keys
 from .algorithms import agg_loss, get_adv_estimator, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 from .config import LocalConfig
 

@@ -36,7 +36,8 @@ from typing import Any
 from ..diagnostics import count, report_failure
 from ..errors import LightningRLError
 from ..records import QueueEntry, RolloutStatus
-from ..store.base import Store
+from ..store.protocols import Store
+from ..store.queries import wait_for_groups
 from ..tracer import rollout_overrides
 
 
@@ -69,7 +70,7 @@ class Runner:
         groups = list(group_ids)
 
         async def groups_done() -> bool:  # others' leases may still expire and come back
-            return await self._store_call(self.store.wait_for_groups, groups, timeout=0)
+            return await self._store_call(wait_for_groups, self.store, groups, timeout=0)
 
         self._stopping = False
         self._run(self._drive(groups_done, on_done=on_done))

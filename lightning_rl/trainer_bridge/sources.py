@@ -35,8 +35,9 @@ from ..boundaries import check_int
 from ..diagnostics import report_failure
 from ..errors import ConfigurationError
 from ..records import Mode, QueueStatus, RolloutStatus, Sample, Trajectory
-from ..store.base import Store
-from ..store.samples import SampleStats, trajectory_samples
+from ..store.protocols import Store
+from ..store.queries import trajectory
+from ..store.training_samples import SampleStats, trajectory_samples
 
 
 @dataclass
@@ -74,7 +75,7 @@ def read_groups(store: Store, group_ids: Sequence[str], *, credit: str = "final"
     for entries in by_group.values():
         for e in entries:
             outcomes[str(e.outcome)] = outcomes.get(str(e.outcome), 0) + 1
-        groups.append([store.trajectory(e.rollout_id, credit=credit) for e in entries if e.rollout_id])
+        groups.append([trajectory(store, e.rollout_id, credit=credit) for e in entries if e.rollout_id])
     return StepBatch(list(group_ids), groups, outcomes)
 
 
@@ -300,7 +301,7 @@ class ProductionStream:
             self.state["taking"], self.state["taking_versions"] = [], {}
             self._save()
         for rid in self.state["waiting"]:
-            self.waiting[rid] = self.store.trajectory(rid, credit=self.credit, reward_name=self.reward_name)
+            self.waiting[rid] = trajectory(self.store, rid, credit=self.credit, reward_name=self.reward_name)
 
     def next_batch(self) -> StepBatch | None:
         """The next batch, checking every ``interval`` seconds; None once closed."""
@@ -351,7 +352,7 @@ class ProductionStream:
                 continue
             if rollout.status != RolloutStatus.SUCCEEDED:
                 continue
-            traj = self.store.trajectory(rid, credit=self.credit, reward_name=self.reward_name)
+            traj = trajectory(self.store, rid, credit=self.credit, reward_name=self.reward_name)
             assembled += 1
             if traj.final_reward is None:
                 continue

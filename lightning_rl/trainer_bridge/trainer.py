@@ -44,6 +44,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from ..errors import ConfigurationError
 from ..records import RolloutStatus, Sample
+from ..store.queries import trajectory
 from .batches import batch_samples, drop_stale
 from .config import ConfigModel, Count, Credit, Flag, LocalConfig, Loggers, Name, NonNegativeInt, Positive
 from .failures import INFRA_ERRORS
@@ -240,7 +241,7 @@ class Trainer(ConfigModel):
         tasks = list(tasks if tasks is not None else self.eval_tasks)
         groups = self._run_groups(self.eval_agent or self.agent, tasks, n or self.eval_n, "eval", "eval")
         entries = self.store.queue_entries(groups)
-        rewards = [self.store.trajectory(e.rollout_id).final_reward or 0.0
+        rewards = [trajectory(self.store, e.rollout_id).final_reward or 0.0
                    if e.outcome == RolloutStatus.SUCCEEDED else 0.0 for e in entries]
         return sum(rewards) / max(1, len(rewards))
 

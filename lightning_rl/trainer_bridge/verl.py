@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..records import Sample
-from ..store.samples import SampleStats, group_keys, route_by_policy
+from ..store.training_samples import SampleStats, group_keys, route_by_policy
 
 
 def _verl():

@@ -51,7 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from .._api import configure
 from ..errors import ConfigurationError
 from ..records import Trajectory
-from ..store.samples import trajectory_samples
+from ..store.queries import policy_versions, trajectory
+from ..store.training_samples import trajectory_samples
 from ..tracer import rollout_overrides
 from ..tracer.decorator import SAMPLING_KEYS
 from .failures import INFRA_ERRORS, failure_kind
@@ -101,7 +102,7 @@ class LightningRLAgentLoop(AgentLoopBase):
                     pass  # recorded on the rollout as failed
         # Store reads block: off verl's event loop, which runs every other rollout of the worker.
         await asyncio.to_thread(self.store.flush)
-        traj = await asyncio.to_thread(self.store.trajectory, rollout_id, credit=self.credit)
+        traj = await asyncio.to_thread(trajectory, self.store, rollout_id, credit=self.credit)
         return await asyncio.to_thread(self.output, traj)  # it reads the store's publishes too
 
     def output(self, traj: Trajectory) -> AgentLoopOutput:
@@ -110,7 +111,7 @@ class LightningRLAgentLoop(AgentLoopBase):
         (``extra_fields["masked"]`` says why)."""
         samples, stats = trajectory_samples(traj, level="trajectory", agents=self.agents)
         kind = failure_kind(traj, self.infra_errors)
-        versions = self.store.policy_versions()
+        versions = policy_versions(self.store)
         extra: dict[str, Any] = {"rollout_id": traj.rollout_id, "prefix_splits": stats.splits,
                                  "status": traj.status.value, "failure": kind or "",
                                  # verl syncs its own weights: a version only where a publish was recorded

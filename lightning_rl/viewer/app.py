@@ -38,7 +38,8 @@ from ..boundaries import INT64_MAX, header_secret, secret_matches
 from ..errors import ConfigurationError, RolloutNotFoundError
 from ..records import RolloutQuery
 from ..serving import VIEWER, BackgroundService, check_bind, run
-from ..store.samples import trajectory_samples
+from ..store.queries import trajectory as assemble_trajectory
+from ..store.training_samples import trajectory_samples
 from ..trainer_bridge.loggers import staleness_mean
 from . import pages
 
@@ -226,7 +227,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
             record = store.get_rollout(rollout_id)
         except RolloutNotFoundError as exc:
             return HTMLResponse(pages.page("Not found", f"<h1>Not found</h1><p class='err'>{pages.e(exc)}</p>"), 404)
-        trajectory = store.trajectory(rollout_id)
+        trajectory = assemble_trajectory(store, rollout_id)
         samples, _ = trajectory_samples(trajectory, level="trajectory")
         return HTMLResponse(pages.rollout_page(record, trajectory, store.rewards(rollout_id), store.spans(rollout_id),
                                                samples, decode))
@@ -234,7 +235,7 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
     @app.get("/groups/{group_id}", response_class=HTMLResponse)
     def group(group_id: str, request: Request) -> Response:
         found = store.rollout_page(group_id=group_id, sort="rollout_id", descending=False, limit=1000).rows
-        trajectories = sorted((store.trajectory(row.rollout.rollout_id) for row in found), key=lambda t: t.attempt)
+        trajectories = sorted((assemble_trajectory(store, row.rollout.rollout_id) for row in found), key=lambda t: t.attempt)
         if not trajectories:
             return HTMLResponse(pages.page("Not found", f"<h1>No rollouts in group {pages.e(group_id)}</h1>"), 404)
         rewards = [t.final_reward for t in trajectories]

@@ -23,5 +23,5 @@ async def first_rollout(question):
 
 
 asyncio.run(first_rollout("What is 12+30?"))
-(trajectory,) = store.trajectories()
+(trajectory,) = lrl.trajectories(store)
 print(json.dumps(sorted({c.agent_name for c in trajectory.llm_calls})))

@@ -84,7 +84,7 @@ async def test_openai_agents_sdk_calls_names_and_tools(traced, agents_sdk, api):
         await solve("What is 12+30?")
     except agents.exceptions.AgentsException:
         pass  # a turn limit or the model's words: what was recorded is what is asserted
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     _engine_served(traj)
     assert {c.agent_name for c in traj.llm_calls} == {"math tutor"}  # the SDK's agent, not the traced function
     _tool_spans_match_calls(traj)
@@ -107,7 +107,7 @@ async def test_openai_agents_sdk_handoff_names_each_agent(traced, agents_sdk):
         await solve("What is 12+30?")
     except agents.exceptions.AgentsException:
         pass
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     _engine_served(traj)
     assert [c.agent_name for c in traj.llm_calls][:2] == ["triage", "math tutor"]
     handoff = [s for s in traj.tool_spans if s.attributes[semconv.GEN_AI_TOOL_NAME] == "transfer_to_math_tutor"]
@@ -147,7 +147,7 @@ async def test_pydantic_ai_calls_names_and_tools(traced, vllm_url, streamed):
 
     with pytest.raises(pydantic_ai.exceptions.UsageLimitExceeded):
         await solve("What is 12+30?")
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     _engine_served(traj)
     assert {c.agent_name for c in traj.llm_calls} == {"calc agent"}
     assert len(_tool_spans_match_calls(traj)) == len(traj.llm_calls)
@@ -172,7 +172,7 @@ def test_litellm_hosted_vllm_is_recorded_with_the_engines_ids(traced, vllm_url, 
         return 1.0
 
     agent("What is 12+30?")
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     _engine_served(traj)
     (call,) = traj.llm_calls
     assert call.streamed is stream and call.output_messages[0]["content"] == answers[0]
@@ -235,7 +235,7 @@ def test_smolagents_calls_names_and_tools(traced, vllm_url, smolagents_calculato
         solve("What is 12+30?")
     except Exception:
         pass  # the tool is forced every step: what was recorded is what is asserted
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     tool_turns = [c for c in traj.llm_calls if c.tool_calls]
     assert len(tool_turns) >= 2  # max_steps, each forced to call the calculator (then its final-answer call)
     _engine_served(traj)
@@ -262,7 +262,7 @@ def test_smolagents_managed_agent_names_its_own_calls(traced, vllm_url, smolagen
         solve("What is 12+30?")
     except Exception:
         pass
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     names = [c.agent_name for c in traj.llm_calls if c.tool_calls]
     assert names[:2] == ["manager", "calc_helper"]  # the manager hands over; the helper's call is its own
     assert traj.llm_calls[0].tool_calls[0].name == "calc_helper"

@@ -40,7 +40,7 @@ async def test_single_agent_with_tool(traced, vllm_url):
         return 1.0
 
     await run(QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _check_ids(t)
     spans = _spans(traced, t.rollout_id)
     agent_span = next(s for s in spans.values() if s.name == "invoke_agent solver")
@@ -64,7 +64,7 @@ async def test_round_robin_team_names_every_call_and_streams_ids(traced, vllm_ur
         return 1.0  # the team's reward
 
     await run(QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _check_ids(t)
     names = [c.agent_name for c in t.llm_calls]
     assert set(names) == {"solver", "checker"} and names[0] == "solver"
@@ -90,7 +90,7 @@ async def test_selector_group_chat(traced, vllm_url):
         return 1.0
 
     await run(QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _check_ids(t)
     names = [c.agent_name for c in t.llm_calls]
     assert "selector" in names and set(names) <= {"selector", "solver", "checker"}
@@ -106,7 +106,7 @@ def test_same_spans_when_the_user_has_a_global_provider(vllm_url, tmp_path):
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
     assert "invoke_agent solver" in theirs  # AutoGen's own spans still reach the user's provider
     with lrl.SQLiteStore(db) as store:
-        (t,) = list(store.trajectories())
+        (t,) = list(lrl.trajectories(store))
         _check_ids(t)
         spans = {s.span_id: s for s in store.spans(t.rollout_id)}
         for c in t.llm_calls:

@@ -50,7 +50,7 @@ def test_otel_sdk_disabled_does_not_switch_capture_off(tmp_path, engine):
             return 1.0
 
         agent("2+2?")
-        (t,) = lrl.open_store("sqlite:///{tmp_path}/otel.db").trajectories()
+        (t,) = lrl.trajectories(lrl.open_store("sqlite:///{tmp_path}/otel.db"))
         print(json.dumps({{"calls": len(t.llm_calls), "source": t.llm_calls[0].token_ids_source.value,
                            "exported": len(exported.get_finished_spans()), "stats": lrl.stats()}}))
     """)
@@ -78,7 +78,7 @@ def test_a_400_that_is_not_about_the_token_fields_is_sent_once(traced, engine):
             agent(q)
     assert len(engine.requests) == 3  # before: 6 (each resent without its fields)
     assert lrl.stats().get("llm_requests_resent_without_token_fields", 0) == before
-    assert [len(t.llm_calls) for t in traced.trajectories()] == [1, 1, 1]  # each failed call recorded once
+    assert [len(t.llm_calls) for t in lrl.trajectories(traced)] == [1, 1, 1]  # each failed call recorded once
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
@@ -121,7 +121,7 @@ def test_llm_calls_that_bypass_the_openai_client_are_captured_or_counted(traced,
 
     direct("x")
     asyncio.run(other("y"))
-    first, second = traced.trajectories()
+    first, second = lrl.trajectories(traced)
     assert [c.token_ids_source.value for c in first.llm_calls] == ["engine", "missing", "engine", "engine"]
     for call in (first.llm_calls[0], first.llm_calls[2], first.llm_calls[3], second.llm_calls[0]):
         assert call.prompt_token_ids == [11, 12, 13] and call.response_token_ids == [19, 20]
@@ -133,7 +133,7 @@ def test_llm_calls_that_bypass_the_openai_client_are_captured_or_counted(traced,
     assert stats["llm_calls_captured_at_http_layer:httpx"] == 4
     assert stats["llm_calls_bypassing_capture"] == 2  # requests (recorded without ids) and aiohttp (counted)
     assert stats["llm_calls_bypassing_capture:requests"] == 1 and stats["llm_calls_bypassing_capture:aiohttp"] == 1
-    samples, _ = traced.samples()
+    samples, _ = lrl.samples(traced)
     assert len(samples) == 4  # the calls with the engine's ids train; the rest is visible, not silent
 
     client = openai.OpenAI(base_url=engine.base_url, api_key="k")  # the instrumented client: not counted again
@@ -190,6 +190,6 @@ def test_the_group_judge_asked_inside_an_agent_is_never_the_agents_llm_call(trac
         return 1.0
 
     agent("2+2?")
-    (t,) = traced.trajectories()
+    (t,) = lrl.trajectories(traced)
     assert t.llm_calls == [] and lrl.stats().get("llm_calls_bypassing_capture", 0) == 0
     assert engine.app.state.headers[-1]["x-lightning-rl-no-capture"] == "judge"

@@ -61,7 +61,7 @@ def test_the_responses_api_in_process_is_recorded_with_the_engines_ids(traced, v
     assert events[-1].response.output_text == plain.output_text
     (call_item,) = [item for item in forced.output if item.type == "function_call"]
     assert call_item.name == "calculator" and set(json.loads(call_item.arguments)) == {"expression"}
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     first, second, third = traj.llm_calls
     expected = _direct_ids(vllm_url, 12)
     for call in (first, second):
@@ -102,7 +102,7 @@ def test_anthropic_messages_in_process_are_recorded_with_the_engines_ids(traced,
     assert message.type == "message" and seen["streamed"] == message.content[0].text
     (tool_use,) = [b for b in used.content if b.type == "tool_use"]
     assert tool_use.name == "calculator" and set(tool_use.input) == {"expression"} and used.stop_reason == "tool_use"
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     first, second, third = traj.llm_calls
     expected = _direct_ids(vllm_url, 12)
     assert [c.streamed for c in traj.llm_calls] == [False, True, False]
@@ -131,7 +131,7 @@ def test_what_a_dialect_cannot_carry_is_refused_naming_it_and_nothing_reaches_th
         return 1.0
 
     agent("refused")
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     assert len(traj.llm_calls) == 1 and traj.llm_calls[0].model == "no-such-model"  # only the one that was sent
 
 

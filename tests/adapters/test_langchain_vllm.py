@@ -92,7 +92,7 @@ def test_create_agent_spans_parents_agent_names_and_token_ids(traced, llm, token
         return 1.0
 
     outcome = _outcome(run, QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _assert_status(t, outcome)
     _assert_engine_ids(t, tokenizer)
     assert {c.agent_name for c in t.llm_calls} == {"math_agent"}
@@ -145,7 +145,7 @@ def test_langgraph_graph_with_tool_node(traced, llm, tokenizer):
         return 1.0 if "42" in out["messages"][-1].content else 0.0
 
     run(QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _assert_engine_ids(t, tokenizer)
     assert [c.agent_name for c in t.llm_calls] == ["planner", "answer"]  # LangGraph node names
     (tool_call,) = t.llm_calls[0].tool_calls
@@ -173,7 +173,7 @@ async def test_streaming_and_async_graph_keep_token_ids(traced, vllm_url, tokeni
         return 1.0
 
     await run(QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _assert_engine_ids(t, tokenizer)
     assert all(c.streamed for c in t.llm_calls)
     assert [c.agent_name for c in t.llm_calls] == ["planner", "answer"]
@@ -199,7 +199,7 @@ def test_structured_output_is_not_an_empty_trajectory(traced, llm, tokenizer):
 
     outcome = _outcome(run, QUESTION)
     assert outcome is None, outcome
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     _assert_status(t, outcome)
     _assert_engine_ids(t, tokenizer)
     (call,) = t.llm_calls
@@ -218,7 +218,7 @@ def test_truncated_structured_output_keeps_its_tokens(traced, vllm_url):
 
     with pytest.raises(Exception, match="length limit"):
         run(QUESTION)
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     (call,) = t.llm_calls
     assert t.status == "failed" and call.token_ids_source == "engine" and len(call.response_token_ids) == 3
 
@@ -245,4 +245,4 @@ def test_handler_failures_never_reach_the_agent(traced, llm):
 
     assert run(QUESTION) == 1.0
     assert lrl.stats()["langchain chain start"] == 1
-    assert next(traced.trajectories()).llm_calls
+    assert next(lrl.trajectories(traced)).llm_calls

@@ -44,7 +44,7 @@ async def test_a_provider_that_refuses_token_fields_still_answers_the_agent(trac
     # first call: refused with our fields, resent without; second call: sent without them at once
     assert ["return_token_ids" in body for body in provider.requests] == [True, False, False]
     assert lrl.stats()["llm_requests_resent_without_token_fields"] - before == 1
-    for t in traced.trajectories():
+    for t in lrl.trajectories(traced):
         (call,) = t.llm_calls
         assert t.status == "succeeded" and call.token_ids_source == "missing"
         assert call.output_messages[0]["content"] == "42"
@@ -60,7 +60,7 @@ def test_a_refusal_from_a_server_known_to_take_the_fields_is_not_retried(traced,
 
     with pytest.raises(openai.BadRequestError):
         agent("q")
-    assert len(provider.requests) == 1 and next(traced.trajectories()).status == "failed"
+    assert len(provider.requests) == 1 and next(lrl.trajectories(traced)).status == "failed"
 
 
 def test_hosts_listed_in_the_settings_never_get_the_fields(traced, provider, monkeypatch):
@@ -86,7 +86,7 @@ def test_the_responses_api_to_a_provider_goes_through_the_chat_dialect_and_is_re
 
     assert agent("What is 12+30?") == "42"  # the chat answer, in the Responses format
     assert provider.paths == ["/v1/chat/completions", "/v1/chat/completions"]  # refused with the fields, resent
-    (t,) = traced.trajectories()
+    (t,) = lrl.trajectories(traced)
     (call,) = t.llm_calls
     assert call.token_ids_source == "missing" and call.output_messages[0]["content"] == "42"
 
@@ -103,7 +103,7 @@ def test_the_responses_api_to_a_hosted_api_passes_unchanged_and_is_counted(trace
     assert agent("What is 12+30?") == "42"
     assert provider.paths == ["/v1/responses"]
     assert lrl.stats()["llm_calls_bypassing_capture:httpx2"] - before == 1
-    (t,) = traced.trajectories()
+    (t,) = lrl.trajectories(traced)
     assert t.llm_calls == []
 
 

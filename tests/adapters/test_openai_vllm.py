@@ -46,7 +46,7 @@ def test_sync_agent_records_engine_token_ids(traced, client, tokenizer):
         return 1.0 if r.choices[0].message.content else 0.0
 
     agent("q1")
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     (call,) = t.llm_calls
     _check_call(call, tokenizer, MESSAGES, call.output_messages[0]["content"])
     assert call.agent_name == "agent" and call.model == "tiny" and call.policy_version == 0
@@ -67,7 +67,7 @@ async def test_async_agent_streaming_and_plain_calls(traced, aclient, tokenizer)
         return r.choices[0].message.content, streamed
 
     plain, streamed = await agent("q")
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     first, second = t.llm_calls
     _check_call(first, tokenizer, MESSAGES, plain)
     _check_call(second, tokenizer, MESSAGES, streamed)
@@ -84,7 +84,7 @@ def test_with_raw_response_and_completions_endpoint(traced, client, tokenizer):
         return chat.choices[0].message.content, comp.choices[0].text
 
     chat_text, comp_text = agent("q")
-    (t,) = list(traced.trajectories())
+    (t,) = list(lrl.trajectories(traced))
     chat, comp = t.llm_calls
     _check_call(chat, tokenizer, MESSAGES, chat_text)
     assert comp.operation == "text_completion"
@@ -99,7 +99,7 @@ def test_n_choices_become_separate_calls(traced, client, tokenizer):
         return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
 
     texts = agent("q")
-    calls = next(traced.trajectories()).llm_calls
+    calls = next(lrl.trajectories(traced)).llm_calls
     assert [c.index for c in calls] == [0, 1]
     for call, text in zip(calls, texts):
         _check_call(call, tokenizer, MESSAGES, text)
@@ -117,7 +117,7 @@ def test_stream_abandoned_early_is_recorded_incomplete(traced, client):
         return 0.0
 
     agent("q")
-    (call,) = next(traced.trajectories()).llm_calls
+    (call,) = next(lrl.trajectories(traced)).llm_calls
     assert call.incomplete and call.streamed
 
 
@@ -139,7 +139,7 @@ def test_a_publish_during_a_call_is_recorded_on_its_span(traced, client):
         agent("q")
     finally:
         tracing.reset_policy_versions()
-    steady, through = next(traced.trajectories()).llm_calls
+    steady, through = next(lrl.trajectories(traced)).llm_calls
     assert (steady.policy_version, steady.policy_version_end) == (3, None)
     assert (through.policy_version, through.policy_version_end) == (3, 4)
 
@@ -153,10 +153,10 @@ def test_capture_switched_off_is_recorded_as_missing_and_reported(traced, client
         return 1.0
 
     agent("q")
-    t = next(traced.trajectories())
+    t = next(lrl.trajectories(traced))
     assert t.missing_token_ids == 1 and t.llm_calls[0].token_ids_source == "missing"
     assert lrl.stats()["llm_calls_without_token_ids"] == 1
-    samples, stats = traced.samples()
+    samples, stats = lrl.samples(traced)
     assert samples == [] and stats.missing_token_ids == 1
 
 
@@ -167,7 +167,7 @@ def test_server_error_is_recorded_and_reraised(traced, client):
 
     with pytest.raises(openai.NotFoundError):
         agent("q")
-    t = next(traced.trajectories())
+    t = next(lrl.trajectories(traced))
     assert t.status == "failed" and "NotFoundError" in t.error
     (span,) = [s for s in traced.spans(t.rollout_id) if s.name.startswith("chat")]
     assert span.status_code == "ERROR"
@@ -191,7 +191,7 @@ def test_policy_version_changes_on_spans_after_a_swap(traced, client):
         agent("q")
     finally:
         tracing._policy_versions.pop("tiny", None)
-    assert [c.policy_version for c in next(traced.trajectories()).llm_calls] == [0, 7]
+    assert [c.policy_version for c in next(lrl.trajectories(traced)).llm_calls] == [0, 7]
 
 
 def test_multi_turn_conversation_merges_into_one_trajectory_sample(traced, client, tokenizer):
@@ -210,7 +210,7 @@ def test_multi_turn_conversation_merges_into_one_trajectory_sample(traced, clien
         return 1.0
 
     agent("q")
-    t = next(traced.trajectories())
+    t = next(lrl.trajectories(traced))
     for c in t.llm_calls:
         assert tokenizer.decode(c.response_token_ids, skip_special_tokens=True).isdigit()
     (sample,), stats = trajectory_samples(t, level="trajectory")
@@ -229,6 +229,6 @@ async def test_concurrent_async_rollouts_keep_their_own_calls(traced, aclient):
         return float(i)
 
     await asyncio.gather(*(agent(i) for i in range(6)))
-    for t in traced.trajectories():
+    for t in lrl.trajectories(traced):
         (call,) = t.llm_calls
         assert call.input_messages[0]["content"] == f"n{int(t.final_reward)}"

@@ -99,7 +99,7 @@ def test_crewai_roles_calls_and_tools(traced, vllm_url, crewai, standalone):
         solve("What is 12+30?")
     except Exception:
         pass  # the forced tool never lets it answer: the iteration limit
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     _check(traj, "math tutor", min_tool_spans=1)  # recorded with OTEL_SDK_DISABLED=true set (the fixture)
 
 
@@ -129,5 +129,5 @@ async def test_llamaindex_agent_names_calls_and_tools(traced, vllm_url, kind):
         await solve("What is 12+30?")
     except Exception:
         pass  # the forced tool never lets it answer: the iteration limit
-    (traj,) = traced.trajectories()
+    (traj,) = lrl.trajectories(traced)
     _check(traj, "calc agent", min_tool_spans=1)

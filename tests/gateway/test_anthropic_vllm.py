@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.gateway import BackgroundGateway
 
@@ -49,7 +50,7 @@ def test_messages_streamed_and_not_are_recorded_with_the_engines_ids(traced, vll
         model=SERVED_NAME, max_tokens=12, temperature=0, extra_body={"return_token_ids": True},
         messages=[{"role": "system", "content": SYSTEM}, *QUESTION])
     traced.flush()
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     assert [c.streamed for c in traj.llm_calls] == [False, True]
     for call in traj.llm_calls:
         assert call.token_ids_source == "engine" and call.input_messages[0] == {"role": "system", "content": SYSTEM}
@@ -73,7 +74,7 @@ def test_tool_use_and_tool_results_round_trip(traced, rollout):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]}])
     assert answer.content[0].type == "text"
     traced.flush()
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     assert [c.tool_calls[0].name for c in traj.llm_calls[:2]] == ["calculator", "calculator"]
     (tool,) = traj.tool_spans
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == use.id and tool.attributes[semconv.TOOL_RESULT] == "42"

@@ -35,7 +35,7 @@ def test_a_node_agent_with_a_tool_is_traced_with_the_engines_ids_its_tool_span_a
         "AGENT_MODEL": SERVED_NAME, "AGENT_TEMPERATURE": "0", "AGENT_SEED": "0", "AGENT_FORCE_TOOL": "1"})
     reward = asyncio.run(agent({"a": 12, "b": 30}))
     (rollout,) = traced.rollouts()
-    traj = traced.trajectory(rollout.rollout_id)
+    traj = lrl.trajectory(traced, rollout.rollout_id)
     assert traj.status == RolloutStatus.SUCCEEDED and traj.name == "agent.mjs" and traj.task == {"a": 12, "b": 30}
     first, second = traj.llm_calls  # two turns, both streamed, both with the engine's ids
     for call in (first, second):
@@ -61,7 +61,7 @@ def test_a_node_agent_sends_its_own_spans_over_otlp(traced, vllm_url):
     assert asyncio.run(agent({"a": 12, "b": 30})) == 1.0
     (rollout,) = traced.rollouts()
     traced.flush()
-    traj = traced.trajectory(rollout.rollout_id)
+    traj = lrl.trajectory(traced, rollout.rollout_id)
     (tool,) = traj.tool_spans
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == "node-call-1" and tool.attributes[semconv.TOOL_RESULT] == "42"
     spans = {s.name: s for s in traced.spans(rollout.rollout_id)}
@@ -93,7 +93,7 @@ sys.exit(3 if any(m.split(".")[0] == "lightning_rl" for m in sys.modules) else 0
     asyncio.run(lrl.command([sys.executable, "-c", langchain], upstream=vllm_url, name="langchain-agent")({"q": 1}))
     by_name = {r.name: r for r in traced.rollouts()}
     for name in ("curl-agent", "langchain-agent"):
-        traj = traced.trajectory(by_name[name].rollout_id)
+        traj = lrl.trajectory(traced, by_name[name].rollout_id)
         assert traj.status == RolloutStatus.SUCCEEDED
         (call,) = traj.llm_calls
         assert call.token_ids_source == "engine" and call.response_token_ids
@@ -122,7 +122,7 @@ if task.get("crash"):
     assert ok.status == RolloutStatus.SUCCEEDED and failed.status == RolloutStatus.FAILED
     assert "boom: on purpose" in failed.error
     for r in (ok, failed):  # the call and the endpoint's reward are recorded either way
-        traj = traced.trajectory(r.rollout_id, reward_name="judge")
+        traj = lrl.trajectory(traced, r.rollout_id, reward_name="judge")
         assert len(traj.llm_calls) == 1 and traj.llm_calls[0].token_ids_source == "engine"
         assert [(x.name, x.value, x.llm_call_index) for x in traj.rewards] == [("judge", 0.25, 0)]
 
@@ -152,7 +152,7 @@ def test_trainer_trains_a_node_agent(traced, vllm_url, tmp_path):
     finally:
         tracing._policy_versions.pop("policy", None)
     (line,) = [x for x in result.history if "train_reward" in x]
-    calls = sum(len(t.llm_calls) for t in traced.trajectories(mode="train"))
+    calls = sum(len(t.llm_calls) for t in lrl.trajectories(traced, mode="train"))
     assert line["outcomes"] == {"succeeded": 4} and line["samples"] == calls >= 4 and line["policy_version"] == 1
     # the trainer recomputes the engine's log-probs (0.0015 apart in the one run that printed it, on these
     # tool-laden prompts sampled at T=1; calls under a grammar mask were 0.02 apart)

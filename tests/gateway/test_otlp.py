@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.gateway import BackgroundGateway
 
@@ -41,7 +42,7 @@ def test_spans_from_an_otel_sdk_become_the_rollouts_tool_and_agent_spans(traced)
         _agent_spans(provider)
         provider.shutdown()
         httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0})
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     (tool,) = traj.tool_spans
     assert tool.name == "calculator" and tool.attributes[semconv.GEN_AI_OPERATION_NAME] == "execute_tool"
     assert tool.attributes[semconv.TOOL_RESULT] == "42" and tool.attributes["service.name"] == "node-agent"
@@ -112,4 +113,4 @@ def test_compressed_bodies(traced, encoding):
                        headers={"content-type": "application/x-protobuf", "content-encoding": encoding})
         assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 1  # the chat span
         httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/finish", json={})
-    assert len(traced.trajectory(opened["rollout_id"]).tool_spans) == 1
+    assert len(lrl.trajectory(traced, opened["rollout_id"]).tool_spans) == 1

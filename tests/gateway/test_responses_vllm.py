@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.gateway import BackgroundGateway
 
@@ -48,7 +49,7 @@ def test_responses_streamed_and_not_are_recorded_with_the_engines_ids(traced, vl
         model=SERVED_NAME, max_tokens=12, temperature=0, extra_body={"return_token_ids": True},
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12+30?"}])
     traced.flush()
-    calls = traced.trajectory(opened["rollout_id"]).llm_calls
+    calls = lrl.trajectory(traced, opened["rollout_id"]).llm_calls
     assert [c.streamed for c in calls] == [False, True]
     for call in calls:
         assert call.token_ids_source == "engine" and call.response_token_ids == direct.choices[0].model_extra["token_ids"]
@@ -71,7 +72,7 @@ def test_function_calls_and_their_outputs_round_trip(traced, rollout):
         {"type": "function_call_output", "call_id": call.call_id, "output": "42"}])
     assert answer.status in ("completed", "incomplete")
     traced.flush()
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     (tool,) = traj.tool_spans
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == call.call_id and tool.attributes[semconv.TOOL_RESULT] == "42"
 
@@ -85,4 +86,4 @@ def test_what_chat_completions_cannot_carry_is_refused_with_the_reason(traced, r
     with pytest.raises(openai.BadRequestError, match="'input_image' part"):
         client.responses.create(model=SERVED_NAME, **GREEDY, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}])
-    assert traced.trajectory(opened["rollout_id"]).llm_calls == []  # refused before any engine call
+    assert lrl.trajectory(traced, opened["rollout_id"]).llm_calls == []  # refused before any engine call

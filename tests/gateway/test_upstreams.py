@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl.gateway import BackgroundGateway
 from lightning_rl.serving import ServerThread
 
@@ -68,7 +69,7 @@ def test_a_rollout_sticks_to_its_engine_and_a_new_one_goes_to_the_least_busy(tra
             e.stop()
     assert hits["a"] == ["hello", "slow one", "more 0", "more 1", "more 2"]
     assert hits["b"] == ["hi", "again 0", "again 1", "again 2"]
-    calls = traced.trajectory(first["rollout_id"]).llm_calls
+    calls = lrl.trajectory(traced, first["rollout_id"]).llm_calls
     assert len(calls) == 5 and all(c.token_ids_source == "engine" for c in calls)
 
 
@@ -93,12 +94,12 @@ def test_a_rollout_nothing_reaches_for_the_idle_timeout_ends_timed_out_and_a_sto
             ended = traced.get_rollout(quiet["rollout_id"])
             assert ended.status == "timed_out" and "idle timeout" in ended.error
             assert call(quiet) == 409  # its path answers that it has finished
-            assert len(traced.trajectory(quiet["rollout_id"]).llm_calls) == 1  # what it did stays recorded
+            assert len(lrl.trajectory(traced, quiet["rollout_id"]).llm_calls) == 1  # what it did stays recorded
             assert traced.get_rollout(busy["rollout_id"]).status == "running"
         # the gateway stopped: the rollout it still had open is ended, not left running for ever
         stopped = traced.get_rollout(busy["rollout_id"])
         assert stopped.status == "failed" and "gateway stopped" in stopped.error
-        assert len(traced.trajectory(busy["rollout_id"]).llm_calls) >= 2
+        assert len(lrl.trajectory(traced, busy["rollout_id"]).llm_calls) >= 2
     finally:
         engine.stop()
 
@@ -157,7 +158,7 @@ def test_a_gateway_killed_outright_leaves_no_rollout_running_once_another_starts
             for o in orphans:
                 ended = traced.get_rollout(o["rollout_id"])
                 assert ended.status == "timed_out" and "no longer holds it" in ended.error
-            assert len(traced.trajectory(orphans[0]["rollout_id"]).llm_calls) == 1  # its call stays recorded
+            assert len(lrl.trajectory(traced, orphans[0]["rollout_id"]).llm_calls) == 1  # its call stays recorded
             assert traced.get_rollout(live["rollout_id"]).status == "running"  # held by this gateway
             assert traced.get_rollout("traced-own").status == "running"  # not a gateway's
     finally:

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.gateway import BackgroundGateway
 from lightning_rl.records import RolloutStatus
@@ -59,7 +60,7 @@ def test_an_unmodified_client_is_traced_through_its_base_url_streamed_and_not(tr
 
     direct = openai.OpenAI(base_url=vllm_url, api_key="EMPTY").chat.completions.create(
         model=SERVED_NAME, messages=QUESTION, extra_body={"return_token_ids": True}, logprobs=True, **GREEDY)
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     assert traj.status == RolloutStatus.SUCCEEDED and traj.final_reward == 1.0 and traj.mode == "eval"
     assert [c.streamed for c in traj.llm_calls] == [False, True]
     (root,) = [s for s in traced.spans(opened["rollout_id"]) if s.name == "invoke_agent solver"]
@@ -87,8 +88,8 @@ def test_the_key_alone_routes_calls_and_writes_only_its_own_rollout(traced, gate
     _finish(gateway, second, status="failed", error="the agent crashed")
     with pytest.raises(openai.AuthenticationError, match="unknown rollout key"):  # a finished rollout's key is dead
         by_key.chat.completions.create(model=SERVED_NAME, messages=QUESTION, **GREEDY)
-    assert [c.operation for c in traced.trajectory(first["rollout_id"]).llm_calls] == ["text_completion"]
-    assert traced.trajectory(second["rollout_id"]).llm_calls == []  # the refused call wrote nothing there
+    assert [c.operation for c in lrl.trajectory(traced, first["rollout_id"]).llm_calls] == ["text_completion"]
+    assert lrl.trajectory(traced, second["rollout_id"]).llm_calls == []  # the refused call wrote nothing there
     failed = traced.get_rollout(second["rollout_id"])
     assert failed.status == RolloutStatus.FAILED and failed.error == "the agent crashed"
 
@@ -108,7 +109,7 @@ def test_tool_calls_and_their_results_become_tool_spans_and_rewards_land_on_call
     client.chat.completions.create(model=SERVED_NAME, messages=messages, **GREEDY)
     client.chat.completions.create(model=SERVED_NAME, messages=messages, **GREEDY)  # the same result again: one span
     _finish(gateway, opened, reward=1.0)
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     assert [c.agent_name for c in traj.llm_calls] == ["planner"] * 3
     assert traj.llm_calls[0].tool_calls[0].name == "calculator"
     (tool,) = traj.tool_spans
@@ -166,7 +167,7 @@ def test_engine_errors_pass_through_and_bad_requests_are_refused_with_the_reason
         _finish(gw, opened)
         again = httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/finish", json={})
         assert again.status_code == 409 and "has finished" in again.json()["error"]["message"]
-    traj = traced.trajectory(opened["rollout_id"])
+    traj = lrl.trajectory(traced, opened["rollout_id"])
     assert len(traj.llm_calls) == 1 and traj.llm_calls[0].token_ids_source == "missing"  # the refused call, recorded
 
 
@@ -186,7 +187,7 @@ def test_a_token_guards_rollouts_and_a_key_opens_only_its_rollout(traced, vllm_u
         assert late.status_code == 401  # late feedback needs the gateway's token
         assert httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/rewards", json={"value": 1.0},
                           headers=admin).json()["late"] is True
-    assert len(traced.trajectory(opened["rollout_id"]).llm_calls) == 1
+    assert len(lrl.trajectory(traced, opened["rollout_id"]).llm_calls) == 1
 
 
 def test_calls_are_stamped_with_the_published_version(traced, gateway):
@@ -196,7 +197,7 @@ def test_calls_are_stamped_with_the_published_version(traced, gateway):
     client = openai.OpenAI(base_url=opened["base_url"], api_key="EMPTY", max_retries=0)
     client.chat.completions.create(model=SERVED_NAME, messages=QUESTION, **GREEDY)
     _finish(gateway, opened)
-    assert [c.policy_version for c in traced.trajectory(opened["rollout_id"]).llm_calls] == [4]
+    assert [c.policy_version for c in lrl.trajectory(traced, opened["rollout_id"]).llm_calls] == [4]
 
 
 def test_a_client_that_disconnects_mid_stream_leaves_a_recorded_truncated_call(traced, gateway):
@@ -213,6 +214,6 @@ def test_a_client_that_disconnects_mid_stream_leaves_a_recorded_truncated_call(t
     # the client is gone; the gateway notices, or the finish closes the call: recorded either way
     _finish(gateway, opened)
     traced.flush()
-    (call,) = traced.trajectory(opened["rollout_id"]).llm_calls
+    (call,) = lrl.trajectory(traced, opened["rollout_id"]).llm_calls
     assert call.streamed and call.incomplete and call.token_ids_source == "engine"
     assert 1 <= len(call.response_token_ids) < 200 and len(call.response_logprobs) == len(call.response_token_ids)

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.boundaries import MAX_JSON_DEPTH
 from lightning_rl.records import Rollout, RolloutStatus
@@ -203,8 +204,8 @@ def test_reads_still_work_for_everyone_after_the_store_fuzz(store_server):
     server, client = store_server
     store = SQLiteStore(server.db, read_only=True)
     try:
-        trajectories = list(store.trajectories())
-        store.samples(include_unrewarded=True)
+        trajectories = list(lrl.trajectories(store))
+        lrl.samples(store, include_unrewarded=True)
         assert len(trajectories) == len(store.rollouts()) > 100
         assert client.get("/rollouts/seed/trajectory").status_code == 200
     finally:
@@ -363,10 +364,10 @@ def test_reads_still_work_for_everyone_after_the_gateway_fuzz(gateway):
 
     store = gateway.store
     store.flush()
-    trajectories = list(store.trajectories())
-    store.samples(include_unrewarded=True)
+    trajectories = list(lrl.trajectories(store))
+    lrl.samples(store, include_unrewarded=True)
     assert len(trajectories) > 100
-    seed = store.trajectory(gateway.seed["rollout_id"])
+    seed = lrl.trajectory(store, gateway.seed["rollout_id"])
     assert len(seed.llm_calls) == 1 and seed.llm_calls[0].response_token_ids == [7, 8]
     with BackgroundViewer(store) as viewer:
         for t in trajectories[::7]:

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl.records import QueueStatus, RolloutStatus
+from lightning_rl.store import wait_for_groups
 from lightning_rl.store.http_store import HttpStore
 
 from .conftest import start_runner, write_figures
@@ -50,7 +52,7 @@ def test_eight_runner_processes_through_one_server(server_factory, spill_env, tm
     runners = [start_runner(server.url, spill_env, report) for report in reports]
     for proc in runners:
         assert proc.wait(300) == 0, proc.stderr.read()
-    assert client.wait_for_groups(groups, timeout=10)
+    assert wait_for_groups(client, groups, timeout=10)
     entries = client.queue_entries(groups)
     assert all(e.status == QueueStatus.DONE and e.outcome == RolloutStatus.SUCCEEDED for e in entries)
 
@@ -95,16 +97,16 @@ def test_runner_killed_mid_rollout_is_retried_and_its_partial_try_kept_apart(ser
     partial = len(client.spans(first))
 
     rescuer = start_runner(server.url, spill_env, tmp_path / "rescuer.json", concurrency=1, lease_seconds=2)
-    assert client.wait_for_groups([entry.group_id], timeout=60)
+    assert wait_for_groups(client, [entry.group_id], timeout=60)
     assert rescuer.wait(60) == 0, rescuer.stderr.read()
     done = client.queue_entries([entry.group_id])[0]
     assert done.outcome == RolloutStatus.SUCCEEDED and done.tries == 2 and done.rollout_id != first
-    killed, retried = client.trajectory(first), client.trajectory(done.rollout_id)
+    killed, retried = lrl.trajectory(client, first), lrl.trajectory(client, done.rollout_id)
     assert killed.status == RolloutStatus.TIMED_OUT and "expired" in (killed.error or "")
     assert 3 <= partial < 11 and len(client.spans(first)) == partial  # the partial try is kept as it was
     assert retried.status == RolloutStatus.SUCCEEDED and len(client.spans(done.rollout_id)) == 11
     assert {s.span_id for s in client.spans(first)}.isdisjoint({s.span_id for s in client.spans(done.rollout_id)})
-    trained_on = {t.rollout_id for t in client.trajectories(status="succeeded")}
+    trained_on = {t.rollout_id for t in lrl.trajectories(client, status="succeeded")}
     assert trained_on == {done.rollout_id}  # never mixed into training data
     write_figures("runner_killed", {"partial_spans_kept": partial, "retry_spans": 11, "tries": done.tries,
                                     "partial_status": killed.status.value, "retry_status": retried.status.value})
@@ -129,7 +131,7 @@ def test_server_killed_and_restarted_under_load(server_factory, spill_env, tmp_p
     server.start()
     for proc in runners:
         assert proc.wait(300) == 0, proc.stderr.read()
-    assert client.wait_for_groups(groups, timeout=30)
+    assert wait_for_groups(client, groups, timeout=30)
 
     stored = _check_stored(server.db)
     succeeded = [r for r, status in stored["statuses"].items() if status == "succeeded"]

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from lightning_rl.store import wait_for_groups
 from lightning_rl.store.http_store import HttpStore
 
 from .conftest import start_runner, write_figures
@@ -66,7 +67,7 @@ def test_soak_two_runners_long_tailed_tools_a_killed_runner_and_a_server_restart
     time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
     stop_feeding.set()
     feeder.join(130)
-    assert client.wait_for_groups(groups, timeout=240), "some tries never finished"
+    assert wait_for_groups(client, groups, timeout=240), "some tries never finished"
     for name in ("b", "c"):
         assert runners[name].wait(120) == 0, runners[name].stderr.read()
     wall = time.monotonic() - t0

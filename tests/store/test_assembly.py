@@ -9,7 +9,7 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
 from lightning_rl.store import InMemoryStore, get_credit_assigner, route_by_policy, split_rewards, trajectory_samples
-from lightning_rl.store.samples import SampleStats
+from lightning_rl.store.training_samples import SampleStats
 
 from .helpers import llm_span, rollout
 
@@ -27,13 +27,13 @@ def _store_with(calls, rewards=(), rid="r1"):
 def test_calls_ordered_by_per_rollout_index_not_clock():
     # seq 0 has the latest clock in helpers; index decides the order.
     s = _store_with([llm_span("r1", 0, 1, [1, 2, 3], [4]), llm_span("r1", 1, 0, [1], [2])])
-    assert [c.index for c in s.trajectory("r1").llm_calls] == [0, 1]
+    assert [c.index for c in lrl.trajectory(s, "r1").llm_calls] == [0, 1]
 
 
 def test_missing_token_ids_are_reported_and_kept_out_of_samples():
     s = _store_with([llm_span("r1", 0, 0, [1], [2]), llm_span("r1", 1, 1, [], [], source="missing")],
                     [Reward(rollout_id="r1", value=1.0, source=RewardSource.RETURNED)])
-    t = s.trajectory("r1")
+    t = lrl.trajectory(s, "r1")
     assert t.missing_token_ids == 1 and len(t.llm_calls) == 2
     samples, stats = trajectory_samples(t)
     assert len(samples) == 1 and stats.missing_token_ids == 1
@@ -90,13 +90,13 @@ def test_registered_credit_is_usable_by_name():
 
     s = _store_with([llm_span("r1", 0, 0, [1], [2]), llm_span("r1", 1, 1, [1, 2, 9], [3])],
                     [R(1.0, source=RewardSource.RETURNED)])
-    assert [c.reward for c in s.trajectory("r1", credit="last_only").llm_calls] == [None, 1.0]
+    assert [c.reward for c in lrl.trajectory(s, "r1", credit="last_only").llm_calls] == [None, 1.0]
 
 
 def test_call_level_samples():
     s = _store_with([llm_span("r1", 0, 0, [1, 2], [3, 4], logprobs=[-0.1, -0.2])],
                     [R(1.0, source=RewardSource.RETURNED)])
-    (sample,), stats = trajectory_samples(s.trajectory("r1"), level="call")
+    (sample,), stats = trajectory_samples(lrl.trajectory(s, "r1"), level="call")
     assert (sample.prompt_ids, sample.response_ids, sample.response_mask) == ([1, 2], [3, 4], [1, 1])
     assert sample.rollout_logprobs == [-0.1, -0.2] and sample.reward == 1.0
     assert sample.group_id == s.get_rollout("r1").group_id and stats.samples == 1
@@ -109,7 +109,7 @@ def test_trajectory_level_merges_exact_prefix_with_observation_mask():
         llm_span("r1", 2, 2, [1, 2, 3, 4, 7, 8, 5, 9], [6], logprobs=[-0.4]),
     ]
     s = _store_with(calls, [R(0.5, 1), R(1.0, source=RewardSource.RETURNED)])
-    (sample,), stats = trajectory_samples(s.trajectory("r1", credit="per_step"), level="trajectory")
+    (sample,), stats = trajectory_samples(lrl.trajectory(s, "r1", credit="per_step"), level="trajectory")
     assert sample.prompt_ids == [1, 2]
     assert sample.response_ids == [3, 4, 7, 8, 5, 9, 6]
     assert sample.response_mask == [1, 1, 0, 0, 1, 0, 1]
@@ -126,7 +126,7 @@ def test_trajectory_level_splits_on_broken_prefix_and_counts_it():
         llm_span("r1", 2, 2, [1, 2, 99, 5, 6, 7], [8]),
     ]
     s = _store_with(calls, [R(1.0, source=RewardSource.RETURNED)])
-    samples, stats = trajectory_samples(s.trajectory("r1"), level="trajectory")
+    samples, stats = trajectory_samples(lrl.trajectory(s, "r1"), level="trajectory")
     assert [x.llm_call_indices for x in samples] == [[0], [1, 2]]
     assert stats.splits == 1
 
@@ -135,7 +135,7 @@ def test_agent_selection_by_names_or_regex():
     calls = [llm_span("r1", 0, 0, [1], [2], agent="writer"), llm_span("r1", 1, 1, [1, 2, 3], [4], agent="critic"),
              llm_span("r1", 2, 2, [5], [6], agent="writer-2")]
     s = _store_with(calls, [R(1.0, source=RewardSource.RETURNED)])
-    t = s.trajectory("r1")
+    t = lrl.trajectory(s, "r1")
     assert [x.agent_name for x in trajectory_samples(t, agents=["critic"])[0]] == ["critic"]
     assert [x.agent_name for x in trajectory_samples(t, agents="writer.*")[0]] == ["writer", "writer-2"]
 
@@ -149,10 +149,10 @@ def test_store_samples_skip_failed_and_unrewarded_rollouts():
     s.start_rollout(rollout("none"))
     s.add_spans([llm_span("none", 0, 0, [1], [2])])
     s.finish_rollout("none", RolloutStatus.SUCCEEDED, time.time(), None)
-    samples, stats = s.samples()
+    samples, stats = lrl.samples(s)
     assert [x.rollout_id for x in samples] == ["ok"] and stats.skipped_unrewarded == 1
     with pytest.raises(ValueError, match="level 'episode'"):
-        s.samples(level="episode")
+        lrl.samples(s, level="episode")
 
 
 def _team_store(rewards):
@@ -163,7 +163,7 @@ def _team_store(rewards):
 
 def test_shared_team_reward_goes_to_every_selected_agents_calls():
     s = _team_store([R(1.0, source=RewardSource.RETURNED)])
-    t = s.trajectory("r1")
+    t = lrl.trajectory(s, "r1")
     assert [c.reward for c in t.llm_calls] == [1.0, 1.0, 1.0]
     writer, _ = trajectory_samples(t, agents=["writer"])
     assert [(x.agent_name, x.reward, x.llm_call_indices) for x in writer] == [("writer", 1.0, [0]), ("writer", 1.0, [2])]
@@ -174,7 +174,7 @@ def test_shared_team_reward_goes_to_every_selected_agents_calls():
 def test_per_agent_reward_replaces_team_reward_for_that_agent_only():
     s = _team_store([R(1.0, source=RewardSource.RETURNED),
                      Reward(rollout_id="r1", value=-0.5, agent="critic", llm_call_index=1, source="emitted")])
-    t = s.trajectory("r1")
+    t = lrl.trajectory(s, "r1")
     assert [c.reward for c in t.llm_calls] == [1.0, -0.5, 1.0]
     assert t.final_reward == 1.0
 
@@ -182,12 +182,12 @@ def test_per_agent_reward_replaces_team_reward_for_that_agent_only():
 def test_agent_feedback_after_the_rollout():
     s = _team_store([R(0.0, source=RewardSource.RETURNED)])
     s.add_reward("r1", 0.8, agent="writer")
-    assert [c.reward for c in s.trajectory("r1").llm_calls] == [0.8, 0.0, 0.8]
+    assert [c.reward for c in lrl.trajectory(s, "r1").llm_calls] == [0.8, 0.0, 0.8]
 
 
 def test_discounting_runs_along_each_agents_own_calls():
     s = _team_store([R(1.0, source=RewardSource.RETURNED)])
-    t = s.trajectory("r1", credit="discounted", gamma=0.5)
+    t = lrl.trajectory(s, "r1", credit="discounted", gamma=0.5)
     assert [c.reward for c in t.llm_calls] == [0.5, 1.0, 1.0]  # writer: 2 calls; critic: its last call
 
 
@@ -197,10 +197,10 @@ def test_team_credit_adds_an_agents_own_reward_to_the_shared_one():
     reward adds to it for that agent only (under ``final`` it replaces it)."""
     rewards = [R(1.0, source=RewardSource.RETURNED), Reward(rollout_id="r1", value=0.25, agent="critic")]
     s = _team_store(rewards)
-    assert [c.reward for c in s.trajectory("r1", credit="team").llm_calls] == [1.0, 1.25, 1.0]
-    assert [c.reward for c in s.trajectory("r1", credit="final").llm_calls] == [1.0, 0.25, 1.0]
+    assert [c.reward for c in lrl.trajectory(s, "r1", credit="team").llm_calls] == [1.0, 1.25, 1.0]
+    assert [c.reward for c in lrl.trajectory(s, "r1", credit="final").llm_calls] == [1.0, 0.25, 1.0]
     only_own = _team_store([Reward(rollout_id="r1", value=0.25, agent="critic")])
-    assert [c.reward for c in only_own.trajectory("r1", credit="team").llm_calls] == [None, 0.25, None]
+    assert [c.reward for c in lrl.trajectory(only_own, "r1", credit="team").llm_calls] == [None, 0.25, None]
 
 
 def test_an_agents_emitted_step_reward_lands_on_its_own_call():
@@ -211,12 +211,12 @@ def test_an_agents_emitted_step_reward_lands_on_its_own_call():
                Reward(rollout_id="r1", value=0.5, agent="critic", llm_call_index=2, source="emitted"),
                Reward(rollout_id="r1", value=0.1, agent="critic", llm_call_index=1, source="emitted")]
     s = _team_store(rewards)
-    assert [c.reward for c in s.trajectory("r1", credit="team").llm_calls] == [1.0, 1.5 + 0.1, 1.0]
+    assert [c.reward for c in lrl.trajectory(s, "r1", credit="team").llm_calls] == [1.0, 1.5 + 0.1, 1.0]
     ghost = _team_store([R(1.0, source=RewardSource.RETURNED),
                          Reward(rollout_id="r1", value=9.0, agent="ghost", llm_call_index=0, source="emitted"),
                          Reward(rollout_id="r1", value=0.5, agent="ghost", llm_call_index=1, source="emitted")])
     before = lrl.stats().get("agent_rewards_without_calls", 0)
-    assert [c.reward for c in ghost.trajectory("r1", credit="team").llm_calls] == [1.0, 1.0, 1.0]
+    assert [c.reward for c in lrl.trajectory(ghost, "r1", credit="team").llm_calls] == [1.0, 1.0, 1.0]
     assert lrl.stats()["agent_rewards_without_calls"] == before + 1  # 0.5 is ghost's final; 9.0 had no call to go to
 
 
@@ -230,7 +230,7 @@ def _two_policy_store():
 
 @pytest.mark.parametrize("level", ["call", "trajectory"])
 def test_samples_are_routed_by_the_served_model_name(level):
-    t = _two_policy_store().trajectory("r1", credit="team")
+    t = lrl.trajectory(_two_policy_store(), "r1", credit="team")
     samples, stats = trajectory_samples(t, level=level)
     before = lrl.stats().get("samples_unrouted", 0)
     routed = route_by_policy(samples, ["planner-lora", "solver-lora"], stats)
@@ -246,7 +246,7 @@ def test_samples_are_routed_by_the_served_model_name(level):
 def test_trajectory_samples_never_merge_calls_served_by_different_policies():
     calls = [llm_span("r1", 0, 0, [1], [2], agent="a", model="p1"),
              llm_span("r1", 1, 1, [1, 2, 3], [4], agent="a", model="p2")]  # extends the prefix, another policy
-    samples, stats = trajectory_samples(_store_with(calls, [R(1.0, source=RewardSource.RETURNED)]).trajectory("r1"),
+    samples, stats = trajectory_samples(lrl.trajectory(_store_with(calls, [R(1.0, source=RewardSource.RETURNED)]), "r1"),
                                         level="trajectory")
     assert [(x.policy, x.llm_call_indices) for x in samples] == [("p1", [0]), ("p2", [1])] and stats.splits == 1
 
@@ -265,5 +265,5 @@ def test_a_step_reward_for_a_call_the_rollout_does_not_have_is_counted_not_lost_
                Reward(rollout_id="r1", value=0.25, llm_call_index=1, source="emitted")]
     s = _team_store(rewards)
     before = lrl.stats().get("step_rewards_beyond_calls", 0)
-    assert [c.reward for c in s.trajectory("r1", credit="team").llm_calls] == [1.0, 1.25, 1.0]
+    assert [c.reward for c in lrl.trajectory(s, "r1", credit="team").llm_calls] == [1.0, 1.25, 1.0]
     assert lrl.stats().get("step_rewards_beyond_calls", 0) == before + 1

@@ -12,6 +12,7 @@ import pytest
 
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import RolloutStatus
+from lightning_rl.store import policy_versions
 from lightning_rl.store.http_store import HttpStore
 from lightning_rl.store.server import BackgroundServer
 from lightning_rl.store.sqlite_store import SQLiteStore
@@ -20,12 +21,12 @@ from .helpers import rollout
 
 
 def test_publishes_are_recorded_and_the_latest_one_is_live(store):
-    assert store.policy_versions() == {}
+    assert policy_versions(store) == {}
     store.record_policy("policy", 0, adapter="/adapters/v00000", time=10.0)
     store.record_policy("policy", 1, adapter="/adapters/v00001", time=20.0)
     store.record_policy("critic", 5, time=15.0)
     store.record_policy("policy", 0, adapter="/adapters/v00000", time=30.0)  # a new run started over
-    assert store.policy_versions() == {"policy": 0, "critic": 5}
+    assert policy_versions(store) == {"policy": 0, "critic": 5}
     history = store.policies("policy")
     assert [(p.version, p.adapter, p.time) for p in history] == [
         (0, "/adapters/v00000", 10.0), (1, "/adapters/v00001", 20.0), (0, "/adapters/v00000", 30.0)]
@@ -38,7 +39,7 @@ def test_a_bad_publish_is_refused_by_name(store, name, version, fix):
     store.record_policy("policy", 3)
     with pytest.raises(ConfigurationError, match=fix):
         store.record_policy(name, version)
-    assert store.policy_versions() == {"policy": 3}  # nothing recorded is lost
+    assert policy_versions(store) == {"policy": 3}  # nothing recorded is lost
 
 
 def test_a_rollout_takes_its_version_when_it_ends(store):
@@ -82,7 +83,7 @@ def test_a_store_from_before_policies_gains_the_table(tmp_path):
     conn.close()
     with SQLiteStore(path) as s:
         s.record_policy("policy", 7)
-        assert s.policy_versions() == {"policy": 7}
+        assert policy_versions(s) == {"policy": 7}
 
 
 def test_a_publish_records_the_groups_it_was_trained_on(store):
@@ -100,7 +101,7 @@ def test_a_publish_records_the_groups_it_was_trained_on(store):
     assert [p.trained_on for p in store.policies()] == [None, ["g-7", "g-2", "g-10", "g-2b"], ["c-1", "c-0"], []]
     latest = store.latest_policies()
     assert latest["policy"].trained_on == ["g-7", "g-2", "g-10", "g-2b"] and latest["critic"].trained_on == []
-    assert store.policy_versions() == {"policy": 1, "critic": 4}
+    assert policy_versions(store) == {"policy": 1, "critic": 4}
 
 
 @pytest.mark.parametrize("bad, shown_as", [
@@ -118,16 +119,16 @@ def test_a_bad_trained_on_is_refused_naming_the_value(store, bad, shown_as):
     assert [(p.version, p.trained_on) for p in store.policies()] == [(3, ["g-0"])]  # nothing half-recorded
 
 
-def test_a_client_that_does_not_send_trained_on_still_publishes(tmp_path):
+def test_trained_on_is_optional_over_http(tmp_path):
     with BackgroundServer(tmp_path / "served.db") as server:
         with httpx.Client(base_url=server.url + "/v1") as http:
             old = http.post("/policies", json={"served_name": "policy", "version": 2, "adapter": None, "time": 5.0})
-            assert old.status_code == 200 and "trained_on" not in old.json()  # what a client before lineage reads
+            assert old.status_code == 200 and old.json()["trained_on"] is None
             new = http.post("/policies", json={"served_name": "policy", "version": 3, "trained_on": ["g-b", "g-a"]})
             assert new.status_code == 200 and new.json()["trained_on"] == ["g-b", "g-a"]
             refused = http.post("/policies", json={"served_name": "policy", "version": 4, "trained_on": ["g-a", ""]})
             assert refused.status_code == 422 and "trained_on" in refused.text
             listed = http.get("/policies").json()
-            assert ["trained_on" in p for p in listed] == [False, True]
+            assert [p["trained_on"] for p in listed] == [None, ["g-b", "g-a"]]
         with HttpStore(server.url, spill_dir=tmp_path / "spill", retry_for=5.0) as client:
             assert [(p.version, p.trained_on) for p in client.policies()] == [(2, None), (3, ["g-b", "g-a"])]

@@ -18,7 +18,8 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl import diagnostics
 from lightning_rl.records import Reward, Rollout, RolloutStatus, SpanRow
-from lightning_rl.store.rows import rollout_values, span_values
+from lightning_rl.store import wire
+from lightning_rl.store.ops import FinishRollout, StartRollout, TracedSpan
 from lightning_rl.store.sqlite_store import SQLiteStore
 
 from .helpers import llm_span, rollout
@@ -51,7 +52,7 @@ def test_a_bad_record_in_a_batch_is_quarantined_and_the_rest_written(tmp_path):
     assert sorted(q.kind for q in quarantined) == ["reward", "span"]
     span_q = next(q for q in quarantined if q.kind == "span")
     assert span_q.rollout_id == "r1" and "start_ns" in span_q.reason and str(2**63) in span_q.reason
-    assert orjson.loads(span_q.payload)["payload"][1] == 2  # the original record (a spill line), to repair
+    assert orjson.loads(span_q.payload)["span"]["seq"] == 2  # the original record (a spill line), to repair
     assert lrl.stats()["records_quarantined"] == 2
     assert store.spill_files == []
     store.close()
@@ -78,28 +79,30 @@ def test_a_prompt_is_never_stored_as_a_reference_to_a_quarantined_span(tmp_path)
     follow = llm_span("r", 1, 1, prompt + [7, 8, 9, 10], [11], logprobs=[-0.3])
     store.write_span(as_row(follow, 5))
     assert store.flush(5)
-    (call,) = store.trajectory("r").llm_calls
+    (call,) = lrl.trajectory(store, "r").llm_calls
     assert call.prompt_token_ids == prompt + [7, 8, 9, 10]
     store.close()
 
 
 def test_a_spill_holding_a_record_that_can_never_be_written_is_replayed_without_it(tmp_path):
-    """Spill files written by an earlier version (or before this fix) may hold a poisoned record: the
-    next open writes everything else and quarantines it, instead of failing the replay for ever."""
+    """A spill file (damaged, or holding a record no store can hold) never fails the replay for ever: the
+    next open writes everything else and quarantines the rest, each line with its reason."""
     db = tmp_path / "old.db"
     SQLiteStore(db).close()
     folder = Path(str(db) + ".spill")
     folder.mkdir()
-    good, bad = Rollout(rollout_id="good"), Rollout(rollout_id="bad")
+    good = Rollout(rollout_id="good")
+    bad = orjson.loads(wire.encode(StartRollout(Rollout(rollout_id="bad"))))
+    bad["rollout"]["attempt"] = 2**63
     lines = [
-        {"kind": "rollout", "payload": list(rollout_values(good))},
-        {"kind": "rollout", "payload": [*rollout_values(bad)[:5], 2**63, *rollout_values(bad)[6:]]},
-        {"kind": "span_packed", "payload": list(span_values(_row("good", 0)))},
-        {"kind": "teleport", "payload": 1},
-        {"kind": "finish", "payload": ["good", "succeeded", 2.0, None, None]},
+        wire.encode(StartRollout(good)),
+        orjson.dumps(bad),
+        wire.encode(TracedSpan(_row("good", 0))),
+        orjson.dumps({"op": "teleport", "to": "mars"}),
+        wire.encode(FinishRollout("good", RolloutStatus.SUCCEEDED, 2.0)),
     ]
     path = folder / f"{time.time_ns():020d}-999999999.jsonl"
-    path.write_bytes(b"\n".join(json.dumps(line).encode() for line in lines) + b"\nnot json at all\n")
+    path.write_bytes(b"\n".join(lines) + b"\nnot json at all\n")
     store = SQLiteStore(db)
     assert store.flush(5)
     deadline = time.monotonic() + 5

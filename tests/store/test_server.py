@@ -20,6 +20,7 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.records import Rollout, RolloutStatus
+from lightning_rl.store import wait_for_groups
 from lightning_rl.store.http_store import HttpStore
 from lightning_rl.serving import STORE_SERVER, check_bind
 from lightning_rl.store.server import BackgroundServer
@@ -165,12 +166,12 @@ def test_queries_queue_and_late_rewards_through_the_client(server, tmp_path):
         with lrl.rollout_overrides(rollout_id=entry.rollout_id, group_id=entry.group_id, task=entry.task):
             agent(entry.task)
         assert client.complete(entry.queue_id, "r-a", "succeeded")
-    assert client.wait_for_groups([entries[0].group_id], timeout=5)
+    assert wait_for_groups(client, [entries[0].group_id], timeout=5)
     rid = leased[0].rollout_id
     late = client.add_reward(rid, -1.0, name="user_feedback", uid="fb-1")
     client.add_reward(rid, -1.0, name="user_feedback", uid="fb-1")  # a retried feedback call: stored once
     assert late.uid == "fb-1" and [r.name for r in client.rewards(rid)] == ["reward", "user_feedback"]
-    trajs = list(client.trajectories(reward_name="user_feedback"))
+    trajs = list(lrl.trajectories(client, reward_name="user_feedback"))
     assert len(trajs) == 2 and {t.final_reward for t in trajs} == {-1.0, None}
     with pytest.raises(lrl.RolloutNotFoundError):
         client.get_rollout("ghost")
@@ -349,8 +350,8 @@ def test_cli_serves_a_store_that_runners_use(tmp_path):
              "--store", url, "--concurrency", "2", "--max-rollouts", "3"],
             env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        assert client.wait_for_groups([group], timeout=10)
-        trajs = list(client.trajectories())
+        assert wait_for_groups(client, [group], timeout=10)
+        trajs = list(lrl.trajectories(client))
         assert len(trajs) == 3 and all(t.final_reward == 1.0 and len(t.tool_spans) == 1 for t in trajs)
         client.close()
     finally:
@@ -405,7 +406,7 @@ def test_trainer_worker_processes_lease_through_the_server(server, tmp_path, mon
     assert run_in_processes(server.url, add, groups, processes=2) == [0, 0]
     entries = client.queue_entries(groups)
     assert len(entries) == 8 and all(e.outcome == RolloutStatus.SUCCEEDED for e in entries)
-    assert len(list(client.trajectories(status="succeeded"))) == 8
+    assert len(list(lrl.trajectories(client, status="succeeded"))) == 8
     client.close()
 
 

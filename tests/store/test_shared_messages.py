@@ -17,7 +17,9 @@ from lightning_rl import semconv
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import Span
 from lightning_rl.store.export import chat_examples
-from lightning_rl.store.rows import spill_row
+from lightning_rl.store import wire
+from lightning_rl.store.ops import EncodedSpan
+from lightning_rl.store.rows import span_record_values
 from lightning_rl.store.server import BackgroundServer
 from lightning_rl.store.sqlite_store import SQLiteStore
 
@@ -79,7 +81,7 @@ def test_a_growing_conversation_is_stored_once_and_read_back_exactly(tmp_path):
         store.finish_rollout("r1", "succeeded", 1.0, None)
         store.flush()
         read = store.spans("r1")
-        calls = store.trajectory("r1").llm_calls
+        calls = lrl.trajectory(store, "r1").llm_calls
     assert [s.attributes for s in read] == [s.attributes for s in spans]  # the very strings, every key
     assert [c.input_messages for c in calls] == [orjson.loads(s.attributes[_IN]) for s in spans]
     whole = sum(len(s.attributes[_IN]) for s in spans)
@@ -126,7 +128,7 @@ def test_a_store_written_before_is_migrated_and_reads_the_same(tmp_path):
     before = sqlite3.connect(path).execute("SELECT sum(length(attributes)) FROM spans").fetchone()[0]
     with SQLiteStore(path) as store:
         assert [s.attributes for s in store.spans("old")] == [s.attributes for s in spans]
-        assert [c.input_messages for c in store.trajectory("old").llm_calls] == [orjson.loads(s.attributes[_IN]) for s in spans]
+        assert [c.input_messages for c in lrl.trajectory(store, "old").llm_calls] == [orjson.loads(s.attributes[_IN]) for s in spans]
     conn = sqlite3.connect(path)
     after = conn.execute("SELECT sum(length(attributes)) + sum(length(input_messages)) + sum(length(output_messages)) "
                          "FROM spans").fetchone()[0]
@@ -152,26 +154,26 @@ def test_store_migrate_says_what_it_did_and_gives_the_freed_space_back(tmp_path,
     again = CliRunner().invoke(main, ["store", "migrate", "--store", str(path)])
     assert again.exit_code == 0 and "schema 10, up to date" in again.output
     with SQLiteStore(path) as store:
-        assert len(store.trajectory("old").llm_calls) == 24
+        assert len(lrl.trajectory(store, "old").llm_calls) == 24
 
 
-def test_a_spill_line_of_the_previous_version_is_written_back_with_its_messages(tmp_path):
-    (m0, a0), = _conversation(1, random.Random(2))
+def test_a_spilled_span_is_written_back_with_its_messages_shared(tmp_path):
+    """A spill line carries a span as the wire does (messages inside its attributes); written back, the
+    messages go to their columns, a later call's input refers to the earlier one, and reads give them whole."""
+    spans = _interleaved("r1", 3)
     with SQLiteStore(tmp_path / "runs.db") as store:
         store.start_rollout(rollout("r1"))
-    attrs = {semconv.GEN_AI_OPERATION_NAME: "chat", _IN: orjson.dumps(m0).decode(), _OUT: orjson.dumps([a0]).decode()}
-    old = ["r1", 0, "%032x" % 1, "%016x" % 1, None, "chat tiny", "CLIENT", 1, 2, "OK", None, orjson.dumps(attrs).decode(),
-           None, None, 0, None, None, None]  # 18 columns: tokens packed, messages in the attributes
     folder = tmp_path / "runs.db.spill"
     folder.mkdir(exist_ok=True)
-    (folder / "0000000001-999999999.jsonl").write_bytes(orjson.dumps({"kind": "span_packed", "payload": spill_row(old)}) + b"\n")
+    (folder / "0000000001-999999999.jsonl").write_bytes(
+        b"".join(wire.encode(EncodedSpan(span_record_values(s))) + b"\n" for s in spans))
     with SQLiteStore(tmp_path / "runs.db") as store:
         deadline = time.monotonic() + 20
         while store.spill_files and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not store.spill_files
-        (span,) = store.spans("r1")
-    assert span.attributes == attrs
+        assert [s.attributes for s in store.spans("r1")] == [s.attributes for s in spans]
+    assert _stored_text(tmp_path / "runs.db")[1] == len(spans) - 2  # shared, as when written directly
 
 
 def test_the_store_server_shares_and_its_readers_get_whole_conversations(tmp_path):
@@ -184,7 +186,7 @@ def test_the_store_server_shares_and_its_readers_get_whole_conversations(tmp_pat
             store.finish_rollout("r1", "succeeded", 1.0, None)
             store.flush()
             assert [s.attributes for s in store.spans("r1")] == [s.attributes for s in spans]
-            assert [c.input_messages for c in store.trajectory("r1").llm_calls] == \
+            assert [c.input_messages for c in lrl.trajectory(store, "r1").llm_calls] == \
                 [orjson.loads(s.attributes[_IN]) for s in spans]
         finally:
             store.close()
@@ -223,7 +225,7 @@ def test_an_agent_loop_through_the_openai_client_stores_its_history_once(tmp_pat
 
     try:
         agent("count the words")
-        (traj,) = list(store.trajectories())
+        (traj,) = list(lrl.trajectories(store))
         assert [c.input_messages for c in traj.llm_calls] == sent
         (example,), _ = chat_examples(store)
         assert example["messages"][:len(sent[-1])] == sent[-1]
@@ -257,7 +259,7 @@ def test_the_gateways_records_share_their_history_too(traced):
             httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/finish", json={})
     finally:
         engine.stop()
-    calls = traced.trajectory(opened["rollout_id"]).llm_calls
+    calls = lrl.trajectory(traced, opened["rollout_id"]).llm_calls
     assert [c.input_messages for c in calls] == sent
     stored, referring = _stored_text(traced.path)
     assert referring == len(sent) - 1 and stored < 2 * len(orjson.dumps(sent[-1]))

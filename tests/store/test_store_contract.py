@@ -9,6 +9,7 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
+from lightning_rl.store import expire_idle_running
 
 from .helpers import llm_span, rollout
 
@@ -44,13 +45,13 @@ def test_late_reward_after_rollout_end(store):
     store.add_spans([llm_span("r1", 0, 0, [1], [2])])
     store.finish_rollout("r1", RolloutStatus.SUCCEEDED, time.time(), None)
     store.flush()
-    assert next(store.trajectories()).final_reward is None
+    assert next(lrl.trajectories(store)).final_reward is None
     reward = store.add_reward("r1", 1.0, name="reward")
     assert reward.source == RewardSource.FEEDBACK
-    t = store.trajectory("r1")
+    t = lrl.trajectory(store, "r1")
     assert t.final_reward == 1.0 and t.llm_calls[0].reward == 1.0
     store.add_reward("r1", -1.0, name="user_feedback")
-    assert store.trajectory("r1", reward_name="user_feedback").final_reward == -1.0
+    assert lrl.trajectory(store, "r1", reward_name="user_feedback").final_reward == -1.0
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, "1", None])
@@ -76,7 +77,7 @@ def test_filters_mode_since_policy_version_agent_status(store):
     store.add_spans([llm_span("new", 0, 0, [1], [2], agent="writer")])
     store.finish_rollout("eval", RolloutStatus.FAILED, 301.0, "x")
     store.flush()
-    ids = lambda **kw: [t.rollout_id for t in store.trajectories(**kw)]  # noqa: E731
+    ids = lambda **kw: [t.rollout_id for t in lrl.trajectories(store, **kw)]  # noqa: E731
     assert ids() == ["old", "new", "eval"]
     assert ids(mode="prod") == ["new"]
     assert ids(since=150.0) == ["new", "eval"]
@@ -84,7 +85,7 @@ def test_filters_mode_since_policy_version_agent_status(store):
     assert ids(agent="writer") == ["new"]
     assert ids(status="failed") == ["eval"]
     with pytest.raises(ValueError, match="mode 'nightly'"):
-        list(store.trajectories(mode="nightly"))
+        list(lrl.trajectories(store, mode="nightly"))
     with pytest.raises(ValueError, match="status 'done'"):
         store.rollouts(status="done")
 
@@ -112,13 +113,30 @@ def test_running_rollouts_nothing_reached_for_the_idle_time_end_timed_out(store)
     store.flush()
     assert store.get_rollout("quiet").origin == "gateway" and store.get_rollout("traced").origin is None
 
-    ended = store.expire_idle_running(60, origin="gateway", keep={"held"}, now=now)
+    ended = expire_idle_running(store, 60, origin="gateway", keep={"held"}, now=now)
     assert ended == ["quiet"]
     quiet = store.get_rollout("quiet")
     assert quiet.status == "timed_out" and "nothing reached this rollout for 60 s" in quiet.error
     assert {r: store.get_rollout(r).status for r in ("spanned", "rewarded", "held", "fresh", "traced", "done")} == {
         "spanned": "running", "rewarded": "running", "held": "running", "fresh": "running", "traced": "running",
         "done": "succeeded"}
-    assert sorted(store.expire_idle_running(60, now=now + 60)) == ["fresh", "held", "rewarded", "spanned", "traced"]
+    assert sorted(expire_idle_running(store, 60, now=now + 60)) == ["fresh", "held", "rewarded", "spanned", "traced"]
     with pytest.raises(lrl.ConfigurationError, match="idle_seconds must be a number of seconds > 0"):
-        store.expire_idle_running(0)
+        expire_idle_running(store, 0)
+
+
+def test_token_arrays_given_as_attributes_are_kept_as_attributes_and_read_as_the_calls_tokens(store):
+    """Tokens travel in ``Span.tokens``; a span whose arrays are attributes (the conventions' names) is
+    stored as it came, not repacked, and assembly still reads its call's tokens from them."""
+    from lightning_rl import semconv
+
+    span = llm_span("r1", 0, 0, [1, 2], [3], source="engine")
+    span.attributes.update({semconv.PROMPT_TOKEN_IDS: [5, 6], semconv.RESPONSE_TOKEN_IDS: [7],
+                            semconv.RESPONSE_LOGPROBS: [-0.25]})
+    span.tokens = None
+    store.start_rollout(rollout("r1"))
+    store.add_spans([span])
+    (stored,) = store.spans("r1")
+    assert stored.tokens is None and stored.attributes[semconv.PROMPT_TOKEN_IDS] == [5, 6]
+    (call,) = lrl.trajectory(store, "r1").llm_calls
+    assert (call.prompt_token_ids, call.response_token_ids, call.response_logprobs) == ([5, 6], [7], [-0.25])

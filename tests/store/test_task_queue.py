@@ -8,6 +8,7 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.records import QueueStatus, RolloutStatus
+from lightning_rl.store import wait_for_groups
 
 
 def test_enqueue_makes_a_group_of_n_tries(store):
@@ -28,11 +29,11 @@ def test_lease_is_exclusive_and_complete_needs_the_lease(store):
     assert store.lease("runner-c") == []
     assert not store.complete(a[0].queue_id, "runner-b", "succeeded")  # not b's lease
     assert store.complete(a[0].queue_id, "runner-a", "succeeded")
-    assert not store.wait_for_groups([a[0].group_id], timeout=0.1)
+    assert not wait_for_groups(store, [a[0].group_id], timeout=0.1)
     for e in a[1:]:
         store.complete(e.queue_id, "runner-a", "failed")
     store.complete(b[0].queue_id, "runner-b", "succeeded")
-    assert store.wait_for_groups([a[0].group_id], timeout=1)
+    assert wait_for_groups(store, [a[0].group_id], timeout=1)
     assert sorted(e.outcome for e in store.queue_entries()) == ["failed", "succeeded", "succeeded"]
 
 
@@ -62,7 +63,7 @@ def test_expired_lease_is_retried_and_the_partial_attempt_kept_as_timed_out(stor
         partial = store.get_rollout(first.rollout_id)
         assert partial.status == RolloutStatus.TIMED_OUT and "lease" in partial.error
         assert store.get_rollout(retry.rollout_id).status == RolloutStatus.SUCCEEDED
-        samples_from = {t.rollout_id for t in store.trajectories(status="succeeded")}
+        samples_from = {t.rollout_id for t in lrl.trajectories(store, status="succeeded")}
         assert samples_from == {retry.rollout_id}  # the partial attempt is not mixed in
     finally:
         lrl.tracer.tracing.set_sink(previous)

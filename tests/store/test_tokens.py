@@ -20,8 +20,10 @@ from lightning_rl import semconv
 from lightning_rl.adapters.capture import CapturedCall, Server
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import PackedTokens, SpanRow, pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
-from lightning_rl.store.rows import span_values, spill_row
-from lightning_rl.store.samples import trajectory_samples
+from lightning_rl.store import wire
+from lightning_rl.store.ops import EncodedSpan, TracedSpan
+from lightning_rl.store.rows import span_record_values
+from lightning_rl.store.training_samples import trajectory_samples
 from lightning_rl.store.server import BackgroundServer
 from lightning_rl.store.sqlite_store import SQLiteStore
 from lightning_rl.store.tokens import MIN_SHARED_TOKENS
@@ -76,7 +78,7 @@ def test_growing_prompts_are_stored_as_tails_and_read_back_whole(tmp_path):
         store.add_spans(spans)
         store.finish_rollout("r1", "succeeded", 1.0, None)
         store.flush()
-        calls = store.trajectory("r1").llm_calls
+        calls = lrl.trajectory(store, "r1").llm_calls
         assert [c.prompt_token_ids for c in calls] == [s.tokens.prompt_ids for s in spans]
         assert [c.response_token_ids for c in calls] == [s.tokens.response_ids for s in spans]
         assert [c.response_logprobs for c in calls] == [s.tokens.response_logprobs for s in spans]  # float64 kept
@@ -101,7 +103,7 @@ def test_a_prompt_that_diverges_shares_its_common_prefix_only(tmp_path):
         store.add_spans([llm_span("r1", 0, 0, first, [1, 2]), llm_span("r1", 1, 1, retokenized, [3]),
                          llm_span("r1", 2, 2, short, [4])])
         store.flush()
-        assert [c.prompt_token_ids for c in store.trajectory("r1").llm_calls] == [first, retokenized, short]
+        assert [c.prompt_token_ids for c in lrl.trajectory(store, "r1").llm_calls] == [first, retokenized, short]
         rows = store._read("SELECT prompt_base_seq, prompt_shared, length(prompt_ids) FROM spans ORDER BY seq")
     assert rows == [(None, 0, 400), (0, 70, 12), (None, 0, 4 * MIN_SHARED_TOKENS)]
 
@@ -112,7 +114,7 @@ def test_a_reference_to_a_missing_span_reads_as_missing_tokens_not_wrong_ones(tm
     store_with_a_lost_base(path, [llm_span("r1", i, i, p, o, logprobs=lp) for i, (p, o, lp) in enumerate(turns)])
     before = counters().get("llm_calls_with_unresolved_prompt", 0)
     with SQLiteStore(path) as store:
-        traj = store.trajectory("r1")
+        traj = lrl.trajectory(store, "r1")
         first, third = traj.llm_calls
         assert first.prompt_token_ids == turns[0][0] and first.token_ids_source == "engine"
         assert third.prompt_token_ids == [] and third.token_ids_source == "missing"
@@ -131,7 +133,7 @@ def test_a_schema_4_store_is_migrated_to_packed_prefix_shared_tokens(tmp_path):
     path = tmp_path / "old.db"
     old_schema_store(path, 4, legacy)
     with SQLiteStore(path) as store:
-        calls = store.trajectory("old").llm_calls
+        calls = lrl.trajectory(store, "old").llm_calls
         assert [c.prompt_token_ids for c in calls[:5]] == [p for p, _, _ in turns]
         assert [c.response_logprobs for c in calls[:5]] == [lp for _, _, lp in turns]
         assert calls[5].prompt_token_ids == [2**40]  # still read from its attributes
@@ -143,30 +145,30 @@ def test_a_schema_4_store_is_migrated_to_packed_prefix_shared_tokens(tmp_path):
     db.close()
 
 
-def test_a_spill_line_of_either_format_is_written_back_with_its_tokens(tmp_path):
+def test_a_spill_file_is_written_back_with_its_tokens_and_a_line_of_no_known_op_is_quarantined(tmp_path):
     rng = random.Random(4)
     (p0, o0, l0), (p1, o1, l1) = _turns(2, rng)
     with SQLiteStore(tmp_path / "runs.db") as store:
         store.start_rollout(rollout("r1"))
-    new = SpanRow("r1", 0, 1, 1, None, "chat tiny", "CLIENT", 1, 2, "OK", None,
-                  {semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: 0, semconv.TOKEN_IDS_SOURCE: "engine"},
-                  (), PackedTokens.of(p0, o0, l0))
-    old_attrs = {semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: 1, semconv.TOKEN_IDS_SOURCE: "engine",
-                 semconv.PROMPT_TOKEN_IDS: p1, semconv.RESPONSE_TOKEN_IDS: o1, semconv.RESPONSE_LOGPROBS: l1}
-    old = ["r1", 1, "%032x" % 1, "%016x" % 2, None, "chat tiny", "CLIENT", 1, 2, "OK", None,
-           orjson.dumps(old_attrs).decode(), None]  # a line written by lightning-rl 0.1
+    traced = SpanRow("r1", 0, 1, 1, None, "chat tiny", "CLIENT", 1, 2, "OK", None,
+                     {semconv.GEN_AI_OPERATION_NAME: "chat", semconv.LLM_CALL_INDEX: 0, semconv.TOKEN_IDS_SOURCE: "engine"},
+                     (), PackedTokens.of(p0, o0, l0))
+    ingested = llm_span("r1", 1, 1, p1, o1, logprobs=l1)
+    unknown = orjson.dumps({"kind": "span_packed", "payload": ["r1", 2]})  # no op this version writes
     folder = tmp_path / "runs.db.spill"
     folder.mkdir(exist_ok=True)
     (folder / "0000000001-999999999.jsonl").write_bytes(  # left by a process that is gone
-        orjson.dumps({"kind": "span_packed", "payload": spill_row(span_values(new))}) + b"\n"
-        + orjson.dumps({"kind": "span_values", "payload": old}) + b"\n")
+        wire.encode(TracedSpan(traced)) + b"\n" + wire.encode(EncodedSpan(span_record_values(ingested))) + b"\n"
+        + unknown + b"\n")
     with SQLiteStore(tmp_path / "runs.db") as store:  # adopted on open and written back (it tries every second)
         deadline = time.monotonic() + 20
         while store.spill_files and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not store.spill_files
-        calls = store.trajectory("r1").llm_calls
+        calls = lrl.trajectory(store, "r1").llm_calls
+        (note,) = store.quarantined()
     assert [(c.prompt_token_ids, c.response_token_ids, c.response_logprobs) for c in calls] == [(p0, o0, l0), (p1, o1, l1)]
+    assert note.kind == "spill line" and "not an op this version writes" in note.reason and "span_packed" in note.payload
 
 
 def _completion(prompt: list[int], response: list[int], logprobs: list[float]) -> ChatCompletion:
@@ -201,7 +203,7 @@ def test_the_tracer_hands_arrays_beside_otel_attributes_exactly(tmp_path, where)
             return 1.0
 
         agent()
-        (traj,) = list(store.trajectories())
+        (traj,) = list(lrl.trajectories(store))
         assert [(c.prompt_token_ids, c.response_token_ids, c.response_logprobs) for c in traj.llm_calls] == turns
         llm_spans = [s for s in exporter.get_finished_spans() if s.name == "chat tiny"]
         assert len(llm_spans) == 4

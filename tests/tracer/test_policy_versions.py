@@ -29,7 +29,7 @@ def provider():
 
 
 def _call_versions(store, rollout_id):
-    return [c.policy_version for c in store.trajectory(rollout_id).llm_calls]
+    return [c.policy_version for c in lrl.trajectory(store, rollout_id).llm_calls]
 
 
 def test_a_rollout_is_as_old_as_its_oldest_call(traced, provider):
@@ -48,8 +48,8 @@ def test_a_rollout_is_as_old_as_its_oldest_call(traced, provider):
     (r,) = traced.rollouts()
     assert _call_versions(traced, r.rollout_id) == [2, 3]
     assert r.policy_version == 2
-    assert [t.rollout_id for t in traced.trajectories(min_policy_version=2)] == [r.rollout_id]
-    assert list(traced.trajectories(min_policy_version=3)) == []
+    assert [t.rollout_id for t in lrl.trajectories(traced, min_policy_version=2)] == [r.rollout_id]
+    assert list(lrl.trajectories(traced, min_policy_version=3)) == []
 
 
 def test_another_process_stamps_the_versions_the_trainer_published(tmp_path, provider):

@@ -35,7 +35,7 @@ def test_sync_rollout_records_task_reward_and_is_on_disk_when_call_returns(trace
     try:
         r = _only(other)
         assert (r.status, r.task, r.name) == (lrl.RolloutStatus.SUCCEEDED, "what is 2+2?", "agent")
-        t = next(other.trajectories())
+        t = next(lrl.trajectories(other))
         assert t.final_reward == 1.0 and t.status == "succeeded"
     finally:
         other.close()
@@ -276,7 +276,7 @@ def test_policy_version_recorded_on_rollout_and_filterable(traced):
     lrl.set_policy_version(3)
     agent(2)
     assert [r.policy_version for r in traced.rollouts()] == [0, 3]
-    assert [t.task for t in traced.trajectories(min_policy_version=1)] == [2]
+    assert [t.task for t in lrl.trajectories(traced, min_policy_version=1)] == [2]
 
 
 def test_private_provider_leaves_global_alone_and_parents_user_spans(traced):
@@ -321,7 +321,7 @@ def test_tool_span_records_plain_code_tool_calls(traced):
 
     with pytest.raises(ValueError):
         agent(1)
-    t = next(traced.trajectories())
+    t = next(lrl.trajectories(traced))
     ok, broken = t.tool_spans
     assert ok.attributes["gen_ai.tool.call.id"] == "call_1" and ok.attributes["gen_ai.tool.call.result"] == "3"
     assert ok.attributes["gen_ai.tool.call.arguments"] == '{"e":"1+2"}' and ok.attributes["gen_ai.agent.name"] == "solver"

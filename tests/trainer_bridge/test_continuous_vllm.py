@@ -26,13 +26,13 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
         return r.choices[0].message.content
 
     assembled = []
-    real_trajectory = traced.trajectory
+    real_rollout_data = traced.rollout_data
 
-    def counting_trajectory(rollout_id, **kw):
-        assembled.append(rollout_id)
-        return real_trajectory(rollout_id, **kw)
+    def counting_rollout_data(rollout_ids):
+        assembled.extend(rollout_ids)
+        return real_rollout_data(rollout_ids)
 
-    traced.trajectory = counting_trajectory  # how much each check reads
+    traced.rollout_data = counting_rollout_data  # how much each check reads (what trajectory() reads through)
     trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
                                 out_dir=tmp_path / "ct", min_new=4, max_policy_lag=0,
                                 local=LocalConfig(adv_estimator="batch_baseline", lr=1e-3))
@@ -67,9 +67,9 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
         new_ids = [r.rollout_id for r in traced.rollouts(mode="prod", newest_first=True, limit=4)]
         for rid in new_ids:
             traced.add_reward(rid, 1.0)
-        assert {c.policy_version for rid in new_ids for c in traced.trajectory(rid).llm_calls} == {1}
+        assert {c.policy_version for rid in new_ids for c in lrl.trajectory(traced, rid).llm_calls} == {1}
         assert {traced.get_rollout(rid).policy_version for rid in new_ids} == {1}
-        assert {t.rollout_id for t in traced.trajectories(mode="prod", min_policy_version=1)} == set(new_ids)
+        assert {t.rollout_id for t in lrl.trajectories(traced, mode="prod", min_policy_version=1)} == set(new_ids)
         update = trainer.step()
         assert update["rollouts"] == 4 and update["dropped_stale"] == 1 and trainer.version == 2
         # with max_policy_lag=0 nothing served before version 2 can be trained on: the state forgets it
@@ -112,7 +112,7 @@ def test_trains_only_on_calls_the_trainer_can_reproduce(traced, vllm_url, tmp_pa
         for rid, kwargs in calls.items():
             with lrl.rollout_overrides(rollout_id=rid):
                 production_agent(f"What is 12+{len(rid)}?", **kwargs)
-        assert traced.trajectory("hot").llm_calls[0].sampling_params["temperature"] == 1.0
+        assert lrl.trajectory(traced, "hot").llm_calls[0].sampling_params["temperature"] == 1.0
         for value, rid in enumerate(calls):
             traced.add_reward(rid, float(value % 2))
         update = trainer.step()

@@ -29,7 +29,7 @@ def test_engine_and_trainer_logprobs_agree_on_the_same_weights(traced, vllm_url,
 
     for q in ("What is 12+30?", "Be exact: 7+8?", "hello"):
         agent(q)
-    samples, _ = traced.samples()
+    samples, _ = lrl.samples(traced)
     assert len(samples) == 3 and all(len(s.response_ids) == 24 for s in samples)
     # a fresh adapter (B = 0) on the served base weights, float32 as vLLM serves them here
     backend = LocalBackend(ensure_tiny_model(), LocalConfig(temperature=temperature), device="cpu")

@@ -67,7 +67,7 @@ def test_overlapped_fit_bounds_staleness_and_a_replay_repeats_its_losses(traced,
     off = [x for x in train if x["staleness"].get("1")]
     assert all(x["engine_logprob_gap"] > 1e-5 for x in off)  # behaviour (engine) != proximal for stale samples
     # a rollout that ran through publishes: its spans say which version served each call
-    straggler = min(traced.trajectories(mode="train"), key=lambda t: t.start_time)
+    straggler = min(lrl.trajectories(traced, mode="train"), key=lambda t: t.start_time)
     first, second = (c.policy_version for c in straggler.llm_calls)
     assert first == 0 and second >= 2
     publishes = traced.policies("policy")

@@ -59,7 +59,7 @@ def test_hot_swap_changes_outputs_and_policy_version(traced, vllm_url, tmp_path)
         shared = before.keys() & after.keys()
         assert before.keys() != after.keys() or max(abs(before[k] - after[k]) for k in shared) > 1e-2
         assert (tmp_path / "v00001" / "adapter_config.json").exists()
-        versions = [t.llm_calls[0].policy_version for t in traced.trajectories()]
+        versions = [t.llm_calls[0].policy_version for t in lrl.trajectories(traced)]
         assert versions == [0, 1]
     finally:
         tracing._policy_versions.pop("policy", None)

@@ -9,7 +9,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+import lightning_rl as lrl  # noqa: E402
 from lightning_rl.records import QueueStatus, RolloutStatus  # noqa: E402
+from lightning_rl.store import wait_for_groups  # noqa: E402
 from lightning_rl.store.http_store import HttpStore  # noqa: E402
 from lightning_rl.store.server import BackgroundServer  # noqa: E402
 from lightning_rl.trainer_bridge.ray_runners import start_ray_runners, stop_ray_runners  # noqa: E402
@@ -27,13 +29,13 @@ def test_ray_actor_runners_share_the_queue_through_the_store_server(tmp_path):
             groups = [client.enqueue({"spans": 5, "sleep": 0.02}, n=4)[0].group_id for _ in range(6)]
             runners = start_ray_runners("tests.store.server_agents:steps", server.url, n=2, concurrency=4,
                                         token="ray-token", num_cpus=0.5)
-            assert client.wait_for_groups(groups, timeout=180)
+            assert wait_for_groups(client, groups, timeout=180)
             reports = stop_ray_runners(runners)
             entries = client.queue_entries(groups)
             assert len(entries) == 24 and all(e.status == QueueStatus.DONE and e.outcome == RolloutStatus.SUCCEEDED
                                               for e in entries)
             assert sorted(r["runner"] for r in reports) == ["ray-0", "ray-1"] and sum(r["ran"] for r in reports) == 24
-            trajs = list(client.trajectories())
+            trajs = list(lrl.trajectories(client))
             assert len(trajs) == 24 and all(len(client.spans(t.rollout_id)) == 6 and t.final_reward == 1.0
                                             for t in trajs)
             client.close()

@@ -36,7 +36,7 @@ def test_outcomes_failures_and_timeouts_are_never_successes(traced):
     assert by_kind == {"ok": {RolloutStatus.SUCCEEDED}, "boom": {RolloutStatus.FAILED},
                        "slow": {RolloutStatus.TIMED_OUT}}
     assert "400" in traced.get_rollout(traced.queue_entries([groups[1]])[0].rollout_id).error
-    samples, _ = traced.samples()
+    samples, _ = lrl.samples(traced)
     assert {s.rollout_id for s in samples} <= {e.rollout_id for e in traced.queue_entries([groups[0]])}
 
 
@@ -93,7 +93,7 @@ def test_killed_runner_lease_expires_and_task_is_retried(tmp_path):
     assert done.outcome == RolloutStatus.SUCCEEDED and done.tries == 2
     statuses = {r.status for r in store.rollouts()}
     assert statuses == {RolloutStatus.TIMED_OUT, RolloutStatus.SUCCEEDED}  # the partial try kept, apart
-    assert [t.rollout_id for t in store.trajectories(status="succeeded")] == [done.rollout_id]
+    assert [t.rollout_id for t in lrl.trajectories(store, status="succeeded")] == [done.rollout_id]
     store.close()
 
 
@@ -132,7 +132,7 @@ def test_sync_agent_in_worker_processes(tmp_path):
     entries = store.queue_entries(groups)
     assert len(entries) == 12 and {e.outcome for e in entries} == {RolloutStatus.SUCCEEDED}
     assert None not in {e.runner for e in entries} and len({e.runner for e in entries}) <= 2  # who completed each
-    finals = sorted(store.trajectory(e.rollout_id).final_reward for e in entries)
+    finals = sorted(lrl.trajectory(store, e.rollout_id).final_reward for e in entries)
     assert finals == [0.0] * 6 + [1.0] * 6
     store.close()
 

@@ -51,7 +51,7 @@ def test_fit_two_steps(traced, vllm_url, tmp_path):
     assert result.plot_path.read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "adapters" / "v00002").is_dir()
     # spans record which policy version served them; failed rollouts are counted, kept, not trained on
-    versions = {c.policy_version for t in traced.trajectories(mode="train") for c in t.llm_calls}
+    versions = {c.policy_version for t in lrl.trajectories(traced, mode="train") for c in t.llm_calls}
     assert versions == {0, 1}  # step 1 ran on version 0, step 2 on version 1
     assert {r.policy_version for r in traced.rollouts(mode="train")} == {0, 1}
     assert [p.version for p in traced.policies("policy")] == [0, 1, 2]
@@ -108,7 +108,7 @@ def test_fit_a_team_with_a_policy_per_agent(traced, vllm_url, tmp_path):
         assert [p.version for p in traced.policies(name)] == [0, 1, 2]
         assert (tmp_path / "adapters" / name / "v00002" / "adapter_model.safetensors").is_file()
     # each call records its own served name and that policy's version
-    calls = [c for t in traced.trajectories(mode="train") for c in t.llm_calls]
+    calls = [c for t in lrl.trajectories(traced, mode="train") for c in t.llm_calls]
     by_name = {}
     for c in calls:
         by_name.setdefault(c.model, set()).add(c.policy_version)
@@ -179,6 +179,6 @@ def test_a_real_autogen_team_trains_a_lora_per_agent(traced, vllm_url, tmp_path)
     for agent, name in names.items():
         assert line["policies"][name]["samples"] >= 4 and line["policies"][name]["policy_version"] == 1
         assert [p.version for p in traced.policies(name)] == [0, 1]
-    calls = [c for t in traced.trajectories(mode="train") for c in t.llm_calls]
+    calls = [c for t in lrl.trajectories(traced, mode="train") for c in t.llm_calls]
     assert {(c.agent_name, c.model) for c in calls} == set(names.items())  # AutoGen's names, each on its LoRA
     assert all(c.policy_version == 0 and c.prompt_token_ids and c.response_token_ids for c in calls)

@@ -8,6 +8,8 @@ pytestmark = [pytest.mark.verl, pytest.mark.vllm]
 pytest.importorskip("verl")
 loop_module = pytest.importorskip("lightning_rl.trainer_bridge.verl_agent_loop")
 
+import lightning_rl as lrl  # noqa: E402
+
 from ..conftest import ensure_tiny_model  # noqa: E402
 
 
@@ -36,7 +38,7 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
     out = await loop.run(verl_sampling, raw_prompt=[{"role": "user", "content": "What is 12+30?"}],
                          extra_info={"task": {"question": "What is 12+30?"}}, uid="group-1")
     rollout_id = out.extra_fields["rollout_id"]
-    traj = loop.store.trajectory(rollout_id)
+    traj = lrl.trajectory(loop.store, rollout_id)
     first, second = traj.llm_calls
     assert traj.group_id == "group-1" and traj.status == "succeeded"
     assert out.prompt_ids == first.prompt_token_ids  # the engine's ids, token in / token out

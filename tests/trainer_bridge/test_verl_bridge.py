@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import lightning_rl as lrl
 from lightning_rl.records import Reward, RewardSource, RolloutStatus, Sample
 from lightning_rl.store import SQLiteStore, trajectory_samples
 
@@ -60,7 +61,7 @@ def _stored_team(tmp_path):
 def test_stored_multi_turn_multi_agent_batches_through_verl_math(tmp_path):
     store = _stored_team(tmp_path)
     samples = []
-    for t in store.trajectories():
+    for t in lrl.trajectories(store):
         samples += trajectory_samples(t, level="trajectory", agents=["solver"])[0]
     batch = verl_bridge.to_dataproto(samples, pad_token_id=PAD, max_prompt_length=4, max_response_length=8)
     t = batch.batch

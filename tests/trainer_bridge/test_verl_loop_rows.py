@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
 
@@ -76,7 +77,7 @@ def test_a_mixed_batch_goes_through_verls_postprocess(tmp_path):
     loop = _loop(db)
     _store_tries(loop.store)
     names = ["good", "placeholder", "no_logprobs", "long", "model_failure", "infra_failure"]
-    rows = [loop.output(loop.store.trajectory(rid)) for rid in names]
+    rows = [loop.output(lrl.trajectory(loop.store, rid)) for rid in names]
     masked = {rid: row.extra_fields["masked"] for rid, row in zip(names, rows)}
     assert masked == {"good": "", "placeholder": "no_sample", "no_logprobs": "no_engine_logprobs",
                       "long": "prompt_too_long", "model_failure": "", "infra_failure": "infra_failure"}

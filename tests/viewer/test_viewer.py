@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus, Span, SpanTokens
 from lightning_rl.store.sqlite_store import SQLiteStore
@@ -135,7 +136,7 @@ def test_each_prompt_token_is_shown_once_so_a_long_rollouts_page_stays_linear(vi
     import httpx
 
     viewer, store = viewed
-    first, second = store.trajectory("calc0").llm_calls
+    first, second = lrl.trajectory(store, "calc0").llm_calls
     shared = len(first.prompt_token_ids) + len(first.response_token_ids)
     assert second.prompt_token_ids[:shared] == first.prompt_token_ids + first.response_token_ids
     page = httpx.get(viewer.url + "/rollouts/calc0").text
@@ -206,8 +207,8 @@ def test_in_a_browser_list_filter_rollout_tokens_rewards_group_and_training(view
         assert page.locator(".bubble[data-role=tool]").inner_text().endswith("4")
         assert "calculator" in page.locator(".bubble[data-role=assistant] .toolcall").first.inner_text()
         masked = page.locator(".sample-tokens .tok.masked")
-        trajectory = store.trajectory("calc0")
-        from lightning_rl.store.samples import trajectory_samples
+        trajectory = lrl.trajectory(store, "calc0")
+        from lightning_rl.store.training_samples import trajectory_samples
 
         (sample,) = trajectory_samples(trajectory, level="trajectory")[0]
         assert masked.count() == sample.response_mask.count(0) > 0  # the tool message's tokens, not trained

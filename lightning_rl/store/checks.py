@@ -1,0 +1,119 @@
+"""What callers pass to a store, checked once for every store: each message names the value and the fix.
+
+Every store calls these at the top of its public methods (the store server calls the same methods,
+so a value refused locally is refused over HTTP with the same words).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..boundaries import check_int, json_problem
+from ..errors import (
+    ConfigurationError,
+    RolloutNotFoundError,
+    StoreError,
+    check_reward,
+    shown,
+)
+from ..records import PolicyRecord, Reward, RewardSource, RolloutQuery, RolloutStatus
+from ..settings import check_mode
+
+
+def check_count(value: Any, name: str, *, minimum: int = 0, optional: bool = False) -> None:
+    """A count, position or version a caller passes: an int from ``minimum`` to 2**63-1 (SQLite's range)."""
+    check_int(value, name, minimum=minimum, optional=optional)
+
+
+def check_position(after: Any) -> None:
+    check_int(after, "after", meaning="a position returned by rewarded_since")
+
+
+def since_time(value: float | dt.datetime | None) -> float | None:
+    """``since`` as a UNIX time (a datetime is converted)."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    if isinstance(value, dt.datetime):
+        return value.timestamp()
+    raise ConfigurationError(f"since must be a UNIX time or a datetime, got {shown(value)}")
+
+
+def rollout_filters(mode: str | None, status: str | RolloutStatus | None, since: float | dt.datetime | None,
+                    min_policy_version: int | None, limit: int | None) -> tuple[str | None, str | None, float | None]:
+    """The filters of ``rollouts()`` checked: ``(mode, status value, since as a UNIX time)``."""
+    if mode is not None:
+        check_mode(mode)
+    check_count(min_policy_version, "min_policy_version", optional=True)
+    check_count(limit, "limit", optional=True)
+    if status is not None:
+        try:
+            status = RolloutStatus(status).value
+        except ValueError:
+            raise ConfigurationError(
+                f"status {status!r} is not one of {', '.join(s.value for s in RolloutStatus)}") from None
+    return mode, status, since_time(since)
+
+
+def rollout_query(query: RolloutQuery | None, filters: dict[str, Any]) -> RolloutQuery:
+    """``rollout_page``'s query: the one given, or one built from keyword filters."""
+    if query is not None:
+        return query
+    try:
+        return RolloutQuery(**filters)
+    except ValidationError as exc:
+        raise ConfigurationError(f"bad rollout query: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+
+
+def new_reward(rollout_id: str, value: Any, name: str, *, llm_call_index: int | None, agent: str | None,
+               source: str | RewardSource, uid: str | None) -> Reward:
+    """The record ``add_reward`` stores (the rollout's existence is the store's to check)."""
+    value = check_reward(value, what=f"reward {name!r}")
+    check_count(llm_call_index, "llm_call_index", optional=True)
+    return Reward(rollout_id=rollout_id, value=value, name=name, llm_call_index=llm_call_index, agent=agent,
+                  source=RewardSource(source), **({"uid": uid} if uid else {}))
+
+
+def policy_record(served_name: Any, version: Any, *, adapter: str | None, time: float | None,
+                  trained_on: Sequence[str] | None) -> PolicyRecord:
+    """The record ``record_policy`` stores."""
+    if not isinstance(served_name, str) or not served_name:
+        raise ConfigurationError(f"served_name must be the model name agents request, got {shown(served_name)}")
+    check_count(version, "policy version")
+    if trained_on is not None:
+        if not isinstance(trained_on, (list, tuple)):
+            raise ConfigurationError(f"trained_on must be a list of rollout group ids (or None), got {shown(trained_on)}")
+        bad = [g for g in trained_on if not isinstance(g, str) or not g]
+        if bad:
+            raise ConfigurationError(
+                f"trained_on must hold non-empty group id strings, got {shown(bad[0])} in {shown(trained_on)}")
+        trained_on = list(trained_on)
+    return PolicyRecord(served_name=served_name, version=version, adapter=adapter, trained_on=trained_on,
+                        **({"time": time} if time is not None else {}))
+
+
+def check_task(task: Any, *, mode: str, max_tries: Any) -> None:
+    """What ``enqueue`` takes: a task JSON can hold, a known mode, at least one try."""
+    check_mode(mode)
+    problem = json_problem(task, "task")
+    if problem:
+        raise ConfigurationError(f"the task cannot be stored: {problem}")
+    check_count(max_tries, "max_tries", minimum=1)
+
+
+def check_idle_seconds(idle_seconds: Any) -> None:
+    if not (isinstance(idle_seconds, (int, float)) and idle_seconds > 0):
+        raise ConfigurationError(f"idle_seconds must be a number of seconds > 0, got {idle_seconds!r}")
+
+
+def not_found(rollout_id: str, url: str) -> RolloutNotFoundError:
+    return RolloutNotFoundError(f"no rollout {shown(rollout_id)} in {url}; list ids with `lightning-rl rollouts ls`")
+
+
+def read_only(what: str, where: str) -> StoreError:
+    """The error of a write to a store opened read-only (``what`` names the call)."""
+    return StoreError(f"{what}: the store {where} was opened read-only (the viewer's mode); open it with "
+                      "open_store(url) to write")
