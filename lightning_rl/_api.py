@@ -14,7 +14,7 @@ from .store import Store
 from .store import open_store as _open_store
 from .store.uri import same_store
 from .tracer.provider import add_span_processors, tracing
-from .tracer.sink import SpanSink
+from .sink import SpanSink
 
 _UNSET: Any = object()
 
@@ -36,7 +36,7 @@ def configure(
 ) -> Store | SpanSink:
     """Set where rollouts go and how they are captured; returns the store in use.
 
-    ``store``: a URL/path, a Store, or any object implementing ``tracer.SpanSink`` (default: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``).
+    ``store``: a URL/path, a Store, or any object implementing ``SpanSink`` (``lightning_rl/sink.py``) (default: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``).
     A URL naming the store already in use keeps it: calling ``configure`` again (a verl agent loop per
     sample, a runner per task) opens nothing new.
     ``span_processors``: the user's own OTel processors (e.g. an exporter) that also get our spans.

@@ -46,6 +46,7 @@ from .boundaries import check_int, is_real
 from .diagnostics import count, report_failure
 from .errors import ConfigurationError, JudgeHTTPError
 from .records import Reward, RewardSource, Span
+from .store.assembly import assemble
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,11 @@ class GroupJudge:
             todo = [row.rollout for row in rows if row.reward is None]
             if not todo:
                 continue
-            spans_of = {r.rollout_id: store.spans(r.rollout_id) for r in todo}
-            answers = [last_answer(spans_of[r.rollout_id]) for r in todo]
+            spans_of, answers = {}, []
+            for rollout, spans, rewards in store.rollout_data([r.rollout_id for r in todo]):
+                calls = assemble(rollout, spans, rewards).llm_calls  # what the agent answered: its last call's text
+                spans_of[rollout.rollout_id] = spans
+                answers.append(calls[-1].response_text if calls else "")
             started = time.time_ns()
             scores, info = self.score(todo[0].task, answers)
             ended = time.time_ns()
@@ -235,29 +239,6 @@ class GroupJudge:
                 done["judge_rewarded_rollouts"] += len(todo)
         return done
 
-
-def last_answer(spans: Sequence[Span]) -> str:
-    """What a rollout answered: the text of its last LLM call's output messages (the call with the highest
-    ``lightning_rl.llm_call.index``, as the assembly orders calls); "" when it made none, or the messages
-    are not a JSON list of message objects."""
-    calls = [s for s in spans if isinstance(op := s.attributes.get(semconv.GEN_AI_OPERATION_NAME), str)
-             and op in semconv.LLM_OPERATIONS]
-    if not calls:
-        return ""
-
-    def index(span: Span) -> tuple[int, int]:
-        found = span.attributes.get(semconv.LLM_CALL_INDEX)
-        return (found if isinstance(found, int) and not isinstance(found, bool) else span.seq, span.seq)
-
-    messages = max(calls, key=index).attributes.get(semconv.GEN_AI_OUTPUT_MESSAGES)
-    if isinstance(messages, str):
-        try:
-            messages = json.loads(messages)
-        except json.JSONDecodeError:
-            return ""
-    if not isinstance(messages, list):
-        return ""
-    return "".join(m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def unrewarded_groups(store: Any, *, mode: str | None = None,

@@ -1,6 +1,6 @@
 """Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
 
-bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving) <- tracer <- adapters; bottom <- store;
+bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving, sink) <- tracer <- adapters; bottom <- store;
 tracer, adapters and store <- gateway; store and trainer_bridge <- viewer; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
 functions count too: a lazy import still runs against the flow.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_rl"
-BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries", "registry", "serving"}
+BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries", "registry", "serving", "sink"}
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {
@@ -25,7 +25,7 @@ FORBIDDEN = {
     "viewer": {"tracer", "adapters", "gateway", "face"},  # reads the store; the trainer's advantage function
     "trainer_bridge": {"viewer"},
     "rewards": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},  # helpers over the tracer
-    "judge": {"tracer", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP only
+    "judge": {"tracer", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP, over a store
 }
 
 

@@ -2,8 +2,8 @@
 every one explicitly (``tests/store/test_protocols.py`` checks it); code that needs only a part of a
 store asks for that part.
 
-* ``SpanSink``: what the tracer writes (the tracer's own ``tracer.sink.SpanSink``, restated here
-  because the store never imports the tracer; a test keeps the two the same).
+* ``SpanSink``: what the tracer writes (``lightning_rl/sink.py``, at the bottom of the package with the
+  records: the tracer and the store both import it, never each other).
 * ``RolloutReader``: rollouts, their spans and rewards, one filtered page (the viewer's list).
 * ``RolloutIndex``: the questions a store answers without reading every record (SQL where it has it,
   a scan in the memory store; ``store/scan.py``).
@@ -33,27 +33,9 @@ from ..records import (
     RolloutQuery,
     RolloutStatus,
     Span,
-    SpanRow,
 )
+from ..sink import SpanSink
 from .ops import Op
-
-
-@runtime_checkable
-class SpanSink(Protocol):
-    """Where the tracer sends rollouts, spans and rewards (``tracer/sink.py`` says the contract)."""
-
-    def start_rollout(self, rollout: Rollout) -> None: ...
-
-    def write_span(self, row: SpanRow) -> None: ...
-
-    def write_reward(self, reward: Reward) -> None: ...
-
-    def finish_rollout(
-        self, rollout_id: str, status: RolloutStatus, end_time: float, error: str | None,
-        policy_version: int | None = None,
-    ) -> None: ...
-
-    def flush(self, timeout: float | None = None) -> bool: ...
 
 
 @runtime_checkable

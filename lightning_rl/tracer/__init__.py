@@ -4,7 +4,8 @@ from .context import RolloutState, ToolSpan, agent_scope, current_agent_name, cu
 from .decorator import current_endpoint, current_rollout_id, rollout_overrides, trace
 from .provider import Tracing, tracing
 from .rewards import emit_reward
-from .sink import SpanRow, SpanSink
+from ..records import SpanRow
+from ..sink import SpanSink
 
 __all__ = [
     "RolloutState",

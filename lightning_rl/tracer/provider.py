@@ -30,7 +30,7 @@ from ..records import PackedTokens, SpanRow
 from ..settings import Settings
 from .context import _our_span, _rollout
 from .records import KIND_NAMES, STATUS_NAMES, RecordSpan, RecordTracer
-from .sink import SpanSink
+from ..sink import SpanSink
 
 INSTRUMENTATION_NAME = "lightning_rl"
 

@@ -14,7 +14,6 @@ from lightning_rl.records import Reward, RewardSource, RolloutStatus
 from lightning_rl.store import (InMemoryStore, PolicyLog, RewardLog, RolloutIndex, RolloutReader, SpanSink, SQLiteStore,
                                 Store, TaskQueue, policy_versions, resolve_rollout_id, wait_for_groups)
 from lightning_rl.store.http_store import HttpStore
-from lightning_rl.tracer import sink as tracer_sink
 
 from .helpers import llm_span, rollout
 
@@ -35,7 +34,6 @@ def _shape(signature: inspect.Signature) -> list[tuple]:
 def test_every_store_implements_every_protocol(store):
     for protocol in PROTOCOLS:
         assert isinstance(store, protocol), protocol.__name__
-    assert isinstance(store, tracer_sink.SpanSink)  # what the tracer asks of its sink
 
 
 @pytest.mark.parametrize("cls", [SQLiteStore, InMemoryStore, HttpStore])
@@ -45,12 +43,6 @@ def test_every_store_method_has_its_protocols_signature(cls):
     for name, signature in members.items():
         assert _shape(inspect.signature(getattr(cls, name))) == _shape(signature), f"{cls.__name__}.{name}"
 
-
-def test_the_store_restates_the_tracers_sink_exactly():
-    """The store never imports the tracer, so it states the sink itself; the two must not drift apart."""
-    ours, tracers = _members(SpanSink), _members(tracer_sink.SpanSink)
-    assert set(ours) == set(tracers) == {"start_rollout", "write_span", "write_reward", "finish_rollout", "flush"}
-    assert {n: _shape(s) for n, s in ours.items()} == {n: _shape(s) for n, s in tracers.items()}
 
 
 def _fill(store) -> float:

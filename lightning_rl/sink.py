@@ -1,14 +1,14 @@
 """The narrow interface the tracer writes to. Stores implement it; the tracer knows nothing else.
 
-The store states the same five methods in ``store/protocols.py`` (it never imports the tracer), as the
-first part of its ``Store`` protocol; ``tests/store/test_protocols.py`` keeps the two the same.
+It sits at the bottom of the package (DESIGN.md, "Layers"), beside the records it carries: the tracer writes
+to it and the store's ``Store`` protocol begins with it (``store/protocols.py``), and neither imports the other.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ..records import Reward, Rollout, RolloutStatus, SpanRow
+from .records import Reward, Rollout, RolloutStatus, SpanRow
 
 __all__ = ["SpanRow", "SpanSink"]
 
