@@ -10,14 +10,14 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-frameworks venv-peer node-deps browser screenshots model test test-fast test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-frameworks venv-peer node-deps browser postgres screenshots model test test-fast test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
-all: venv venv-vllm model node-deps browser
+all: venv venv-vllm model node-deps browser postgres
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local,server,trackers,rewards,data]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,langchain,autogen,local,server,trackers,rewards,data,postgres]'
 	touch $@
 venv: $(VENV)/.stamp
 
@@ -70,6 +70,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
+# Debian's PostgreSQL server binaries for the PostgreSQL store's tests and benchmarks (a throwaway cluster is
+# started and stopped by the tests themselves, under .cache/). Installed from Debian's packages when missing.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql >/dev/null; }
+
 # The viewer's screenshots in docs/images (the README shows them), taken by its browser test.
 screenshots: all
 	LIGHTNING_RL_VIEWER_SCREENSHOTS=1 $(PY) -m pytest -q tests/viewer/test_viewer.py
@@ -84,7 +91,7 @@ test: all venv-verl venv-frameworks
 	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
 	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
 
-test-fast: venv
+test-fast: venv postgres
 	$(PY) -m pytest -q -m "not vllm and not slow"
 
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):

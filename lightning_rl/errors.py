@@ -80,7 +80,7 @@ EXTRA_OF_MODULE = {
     "torch": "local", "transformers": "local", "peft": "local", "safetensors": "local", "numpy": "local",
     "tqdm": "local", "matplotlib": "local",
     "verl": "verl", "ray": "verl", "cachetools": "verl",
-    "jsonschema": "rewards", "pyarrow": "data",
+    "jsonschema": "rewards", "pyarrow": "data", "psycopg": "postgres", "psycopg_pool": "postgres",
     "tensorboard": "trackers", "mlflow": "trackers", "wandb": "trackers",
     "langchain": "langchain", "langchain_core": "langchain", "langchain_openai": "langchain", "langgraph": "langchain",
     "autogen_agentchat": "autogen", "autogen_core": "autogen", "autogen_ext": "autogen",

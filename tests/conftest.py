@@ -34,10 +34,48 @@ def _no_leftover_span_processors():
         tracing.remove_span_processors()
 
 
-@pytest.fixture(params=["sqlite", "memory", "http"])
+@pytest.fixture(scope="session")
+def pg_cluster(tmp_path_factory):
+    """A throwaway PostgreSQL server for the session (Debian's binaries; ``make postgres`` installs them),
+    in a folder of its own, loopback only. Set LIGHTNING_RL_TEST_PG_URL to use a running server instead
+    (each test still gets a database of its own there)."""
+    from tests.pg_cluster import PostgresCluster
+
+    # under .cache/ (not the tests' temporary folder: as root the server runs as the postgres user, who
+    # cannot enter pytest's private folders)
+    cluster = PostgresCluster(ROOT / ".cache" / f"pg-test-{os.getpid()}").start()
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(request):
+    """A new, empty database of the session's PostgreSQL server, as a store URL."""
+    reuse = os.environ.get("LIGHTNING_RL_TEST_PG_URL")
+    if reuse:
+        import uuid
+
+        import psycopg
+
+        name = f"lrl_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(reuse, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return reuse.rsplit("/", 1)[0] + "/" + name
+    return request.getfixturevalue("pg_cluster").create_database()
+
+
+@pytest.fixture(params=["sqlite", "memory", "http", "postgres"])
 def store(request, tmp_path):
-    """Each store implementation, fresh (the shared contract runs against all three; ``http`` is
-    the HTTP client talking to a real store server on a loopback port, over a SQLite file)."""
+    """Each store implementation, fresh (the shared contract runs against all four; ``http`` is
+    the HTTP client talking to a real store server on a loopback port, over a SQLite file; ``postgres``
+    a database of a real PostgreSQL server)."""
+    if request.param == "postgres":
+        from lightning_rl.store.postgres_store import PostgresStore
+
+        s = PostgresStore(request.getfixturevalue("pg_url"), retry_for=5.0)
+        yield s
+        s.close()
+        return
     if request.param == "http":
         from lightning_rl.store.http_store import HttpStore
         from lightning_rl.store.server import BackgroundServer

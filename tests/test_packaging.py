@@ -37,6 +37,7 @@ PROVIDES = {
     "tensorboard": {"tensorboard"}, "mlflow-skinny": {"mlflow"}, "wandb": {"wandb"},
     "langchain": {"langchain"}, "langchain-openai": {"langchain_openai"}, "langgraph": {"langgraph"},
     "autogen-agentchat": {"autogen_agentchat", "autogen_core"}, "autogen-ext": {"autogen_ext"}, "vllm": {"vllm"},
+    "psycopg": {"psycopg"}, "psycopg-pool": {"psycopg_pool"},
 }
 # modules the package imports only when their library is already loaded by the user's program
 # (the HTTP-layer hooks: adapters/http_clients.py), so no extra installs them
@@ -113,7 +114,7 @@ def _venv(where: Path, wheel: Path, extras: str = "", first: tuple[str, ...] = (
 
 
 #: The environments, each fresh: the core alone (which runs the servers too), and the extras.
-INSTALLS = {"core": ("", ()), "rewards,data": ("[rewards,data]", ()),
+INSTALLS = {"core": ("", ()), "rewards,data,postgres": ("[rewards,data,postgres]", ()),
             "local,trackers": ("[local,trackers]", ("torch==2.13.0",)), "langchain": ("[langchain]", ()),
             "autogen": ("[autogen]", ())}
 
@@ -143,7 +144,8 @@ def test_the_core_install_talks_to_a_store_server_and_says_which_extra_the_rest_
                                           "print(type(s).__name__); s.close()", cwd=tmp_path)
     assert probe.returncode == 0 and probe.stdout.strip() == "HttpStore", probe.stderr[-2000:]  # before: no httpx
     for command, extra in ((("train", "continuous", "--model-dir", "m", "--server-url", "http://127.0.0.1:1",
-                             "--store", "x.db"), "local"),):
+                             "--store", "x.db"), "local"),
+                           (("rollouts", "ls", "--store", "postgresql://lrl@127.0.0.1:1/runs"), "postgres")):
         out = _run(bin_dir, "lightning-rl", *command, cwd=tmp_path)
         assert out.returncode == 1 and "Traceback" not in out.stderr, (command, out.stderr[-2000:])
         assert f"pip install 'lightning-rl[{extra}]'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
@@ -189,8 +191,9 @@ def test_the_core_install_starts_the_store_server_the_gateway_and_the_viewer(tmp
 
 
 @pytest.mark.parametrize("install, probe", [
-    ("rewards,data", "from lightning_rl import rewards; import lightning_rl.store.parquet; "
-                     "print(float(rewards.json_schema('{\"a\": 1}', {'type': 'object', 'required': ['a']})))"),
+    ("rewards,data,postgres", "from lightning_rl import rewards; import lightning_rl.store.parquet; "
+                              "import lightning_rl.store.postgres_store as p; p._psycopg(); "
+                              "print(float(rewards.json_schema('{\"a\": 1}', {'type': 'object', 'required': ['a']})))"),
     ("local,trackers", "import lightning_rl.trainer_bridge.local, lightning_rl.trainer_bridge.loggers as l; "
                        "import torch.utils.tensorboard, mlflow, wandb; print('ok')"),
     ("langchain", "import langchain_core, lightning_rl.adapters.langchain as a; print(a.instrument())"),

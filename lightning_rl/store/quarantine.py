@@ -81,11 +81,16 @@ def describe(op: Op, exc: BaseException) -> Quarantine:
     return Quarantine(op.kind, rollout_of(op), f"{op.kind} could not be written: {reason}"[:2000], text)
 
 
+def digest_of(kind: str, text: str) -> str:
+    """What keeps a quarantined record once however often its batch is retried: its kind and form, hashed."""
+    return hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def insert_quarantine(conn: sqlite3.Connection, kind: str, rollout_id: Any, reason: str, text: str) -> bool:
     """A row of the SQLite ``quarantine`` table (in the caller's transaction); False if it was there already
     (a batch retried after a lock meets the same record again: it is kept once)."""
     rollout_id = rollout_id if isinstance(rollout_id, str) else None
-    digest = hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+    digest = digest_of(kind, text)
     text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     cur = conn.execute("INSERT OR IGNORE INTO quarantine (time, kind, rollout_id, reason, payload, digest) "
                        "VALUES (?, ?, ?, ?, ?, ?)", (time.time(), kind, rollout_id, reason, text, digest))

@@ -7,7 +7,8 @@ import os
 from ..errors import ConfigurationError
 from .protocols import Store
 
-SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://", "http(s)://HOST:PORT (lightning-rl store serve)")
+SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://", "http(s)://HOST:PORT (lightning-rl store serve)",
+           "postgresql://USER@HOST:PORT/DATABASE")
 
 
 def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
@@ -21,6 +22,8 @@ def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
         return "memory", ""
     if url.startswith(("http://", "https://")):
         return "http", url.rstrip("/")
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgres", url
     if url.startswith("sqlite://"):
         path = url[len("sqlite://"):]
         if not path.startswith("/") or path == "/":
@@ -47,7 +50,8 @@ def same_store(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 
 def open_store(url: str | os.PathLike[str] | None = None, *, read_only: bool = False) -> Store:
     """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, ``memory://``, or
-    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``).
+    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``), or
+    ``postgresql://user@host:port/database[?schema=NAME]`` (``PostgresStore``, the ``postgres`` extra).
     Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``. ``read_only``: for readers that
     must change nothing (the viewer): no file is created or migrated, no spill file adopted or replayed."""
     kind, where = _parse(url)
@@ -59,6 +63,10 @@ def open_store(url: str | os.PathLike[str] | None = None, *, read_only: bool = F
         from .http_store import HttpStore
 
         return HttpStore(where, read_only=read_only)
+    if kind == "postgres":
+        from .postgres_store import PostgresStore
+
+        return PostgresStore(where, read_only=read_only)
     from .sqlite_store import SQLiteStore
 
     return SQLiteStore(where, read_only=read_only)

@@ -1,0 +1,106 @@
+"""The write side a store over a database has in common: a background writer that never drops a record.
+
+:class:`DurableWrites` holds the bounded background writer (``writer.py``), the prefix sharer of prompts
+and messages (``tokens.py``) and the spill folder (``spill.py``), for a store that gives it two
+functions of its database:
+
+* ``apply(ops, sharer)``: write a batch in one transaction; returns the rollouts that finished (their
+  shared prefixes are forgotten). What the database cannot take at all (locked, full, away) raises and is
+  retried, then spilled, in order, as the wire's JSON ops (``wire.encode``), and replayed when it can be;
+* ``keep_aside(note)``: store one ``Quarantine`` note in its own transaction; False when it was there
+  already. An op that fails for a reason in its own data (``is_record_error``) is described and kept so,
+  counted and reported once with the command that lists it; the rest of its batch is written.
+
+Its spill files are adopted by the next process that opens the same folder if this one dies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from ..diagnostics import count, report_failure
+from . import wire
+from .ops import EncodedSpan, Op, Quarantine, TracedSpan
+from .quarantine import describe
+from .spill import SpillFiles, claim_folder, release_folder
+from .tokens import PrefixSharer
+from .writer import BackgroundWriter
+
+
+class DurableWrites:
+    def __init__(self, *, where: str, doctor: str, folder: Path,
+                 apply: Callable[[list[Op], PrefixSharer], Iterable[str]], keep_aside: Callable[[Quarantine], bool],
+                 is_record_error: Callable[[BaseException], bool], queue_size: int, give_up_after: float,
+                 name: str) -> None:
+        self.where, self.doctor = where, doctor
+        self._apply_batch, self._keep_aside = apply, keep_aside
+        self.sharer = PrefixSharer()  # the writer thread's: prompts and messages stored as prefix + tail
+        self.spills = SpillFiles(folder)
+        self.spills.adopt_orphans(own=claim_folder(folder))
+        self.writer = BackgroundWriter(
+            self._apply, maxsize=queue_size, name=name, spill=self._spill, replay=self._replay,
+            backlog=lambda: bool(self.spills.files), give_up_after=give_up_after, quarantine=self._quarantine,
+            is_record_error=is_record_error)
+        if self.spills.files:
+            self.writer.flush(0)  # wakes the writer, which writes the backlog back first
+
+    def close(self) -> None:
+        """Write what is queued, try the backlog once more (what stays is adopted by the next open)."""
+        self.writer.close()
+        if self.spills.files:
+            try:
+                self._replay()
+            except Exception as exc:
+                report_failure("spill replay", exc)
+        release_folder(self.spills.folder)
+
+    # -- the writer thread ------------------------------------------------------------------------
+    def _apply(self, ops: list[Op]) -> None:
+        for rollout_id in self._apply_batch(ops, self.sharer):
+            self.sharer.forget(rollout_id)
+
+    def _spill(self, ops: list[Op]) -> None:
+        lines = []
+        for op in ops:
+            try:
+                lines.append(wire.encode(op))
+            except Exception as exc:  # JSON cannot hold it: it waits, described, for the quarantine table
+                lines.append(wire.encode(describe(op, exc)))
+        self.spills.append(lines)
+        report_failure("spill", message=f"lightning-rl: store {self.where} unwritable; records spilled to "
+                                        f"{self.spills.folder} (written back, in order, when it can be)")
+
+    def _replay(self) -> bool:
+        """Write the spill files back, oldest first. True when none is left. A line that is not an op this
+        version can read is quarantined, and so is an op the database refuses; everything else is written.
+        Raises only while the database cannot be written."""
+        while self.spills.files:
+            path = self.spills.files[0]
+            ops: list[Op] = []
+            for number, line in enumerate(SpillFiles.read(path), 1):
+                try:
+                    ops.append(wire.decode(line))
+                except Exception as exc:  # not JSON, an unknown op, a payload of another shape
+                    text = line.decode(errors="replace")
+                    ops.append(Quarantine("spill line", None, f"line {number} of spill file {path.name}: {exc}"[:2000],
+                                          text[:100_000]))
+            self.writer.write(ops)
+            path.unlink()
+            self.spills.files.pop(0)
+            count("spill_files_replayed")
+        return True
+
+    def _quarantine(self, op: Op, exc: BaseException) -> None:
+        """Keep aside one op the database refused for its own data (the writer's isolation)."""
+        note = op if type(op) is Quarantine else describe(op, exc)
+        if type(op) is TracedSpan:
+            self.sharer.drop(op.row.rollout_id, op.row.seq)
+        elif type(op) is EncodedSpan and len(op.values) > 1:
+            self.sharer.drop(op.values[0], op.values[1])
+        if self._keep_aside(note):
+            count("records_quarantined")
+            report_failure("record quarantined", message=(
+                f"lightning-rl: a {note.what} record could not be written to {self.where} ({note.reason[:300]}); it "
+                "is kept in the store's quarantine with its original form and the rest of its batch was written. "
+                f"`{self.doctor}` lists what is there (logged once)"))

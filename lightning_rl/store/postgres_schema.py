@@ -1,0 +1,167 @@
+"""The PostgreSQL store's schema: recorded migrations, in a PostgreSQL schema of the store's own.
+
+The tables and columns are the SQLite store's (``migrations.py``, schema 10), with PostgreSQL types and
+text compared byte by byte (``COLLATE "C"``, SQLite's BINARY: the same order, and prefix ranges on ids):
+the same row tuples (``rows.py``) go in and come out, so every reader and the writer's prefix sharing
+are shared. They live in a schema of their own (``lightning_rl`` by default, ``?schema=NAME`` in the
+URL), so a database that holds other tables is fine, and two stores can share one database.
+
+As in SQLite, migrations are registered by decorator, run in one transaction, recorded in
+``_lightning_rl_migrations`` and safe when several processes (store servers starting together) open a
+new database at once: a transaction-level advisory lock orders them. A schema that holds tables but no
+marker of ours is refused untouched (``NotAStoreError``); one written by a newer lightning-rl too
+(``SchemaTooNewError``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..diagnostics import logger
+from ..errors import NotAStoreError, SchemaTooNewError
+from ..registry import Registry
+
+MIGRATIONS_TABLE = "_lightning_rl_migrations"
+MARKER_TABLE = "_lightning_rl_store"
+#: ``pg_advisory_xact_lock`` keys (arbitrary 64-bit constants: "LRL" and a purpose).
+LOCK_MIGRATE = 0x4C524C00_00000001
+LOCK_REWARDS = 0x4C524C00_00000002
+LOCK_GROUPS = 0x4C524C03  # with the group id's hash: pg_advisory_xact_lock(int, int)
+
+_MIGRATIONS: Registry[Callable[[Any], None]] = Registry("PostgreSQL store migration")
+_NAMES: dict[int, str] = {}
+
+
+def migration(version: int, name: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    """Register ``fn(cursor)`` as the migration to schema ``version``; returns it unchanged."""
+    _NAMES[version] = name
+    return _MIGRATIONS.register(str(version))
+
+
+def latest_version() -> int:
+    return max(_NAMES)
+
+
+@migration(1, "rollouts, spans (packed, prefix-shared tokens and messages), rewards, queue, policies, quarantine")
+def _initial(cur: Any) -> None:
+    cur.execute("""
+        CREATE TABLE rollouts (
+            rollout_id text COLLATE "C" PRIMARY KEY, name text COLLATE "C" NOT NULL, agent text COLLATE "C", task text COLLATE "C", group_id text COLLATE "C",
+            attempt bigint NOT NULL, mode text COLLATE "C" NOT NULL, status text COLLATE "C" NOT NULL, policy_version bigint,
+            start_time double precision NOT NULL, end_time double precision, error text COLLATE "C", origin text COLLATE "C",
+            row_order bigint GENERATED ALWAYS AS IDENTITY)""")
+    cur.execute("CREATE INDEX rollouts_mode_start ON rollouts (mode, start_time)")
+    cur.execute("CREATE INDEX rollouts_start ON rollouts (start_time, row_order)")
+    cur.execute("CREATE INDEX rollouts_status_start ON rollouts (status, start_time)")
+    cur.execute("CREATE INDEX rollouts_group ON rollouts (group_id)")
+    cur.execute("""
+        CREATE TABLE spans (
+            rollout_id text COLLATE "C" NOT NULL, seq bigint NOT NULL, trace_id text COLLATE "C" NOT NULL, span_id text COLLATE "C" NOT NULL,
+            parent_id text COLLATE "C", name text COLLATE "C" NOT NULL, kind text COLLATE "C" NOT NULL, start_ns bigint NOT NULL,
+            end_ns bigint NOT NULL, status_code text COLLATE "C" NOT NULL, status_message text COLLATE "C", attributes text COLLATE "C" NOT NULL,
+            events text COLLATE "C", prompt_base_seq bigint, prompt_shared bigint, prompt_ids bytea, response_ids bytea,
+            response_logprobs bytea, input_base_seq bigint, input_shared bigint, input_messages text COLLATE "C",
+            output_messages text COLLATE "C",
+            PRIMARY KEY (rollout_id, seq))""")
+    cur.execute("""
+        CREATE TABLE rewards (
+            reward_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, rollout_id text COLLATE "C" NOT NULL,
+            name text COLLATE "C" NOT NULL, value double precision NOT NULL, llm_call_index bigint, agent text COLLATE "C",
+            source text COLLATE "C" NOT NULL, time double precision NOT NULL, uid text COLLATE "C" UNIQUE)""")
+    cur.execute("CREATE INDEX rewards_rollout ON rewards (rollout_id)")
+    cur.execute("""
+        CREATE TABLE queue (
+            queue_id text COLLATE "C" PRIMARY KEY, group_id text COLLATE "C" NOT NULL, task text COLLATE "C", attempt bigint NOT NULL,
+            mode text COLLATE "C" NOT NULL, status text COLLATE "C" NOT NULL, runner text COLLATE "C", lease_expires double precision,
+            tries bigint NOT NULL, max_tries bigint NOT NULL, rollout_id text COLLATE "C", outcome text COLLATE "C",
+            created double precision NOT NULL, lease_key text COLLATE "C")""")
+    cur.execute("CREATE INDEX queue_status_created ON queue (status, created)")
+    cur.execute("CREATE INDEX queue_group ON queue (group_id)")
+    cur.execute("""
+        CREATE TABLE policies (
+            publish_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, served_name text COLLATE "C" NOT NULL,
+            version bigint NOT NULL, adapter text COLLATE "C", time double precision NOT NULL, trained_on text COLLATE "C")""")
+    cur.execute("CREATE INDEX policies_name ON policies (served_name, publish_id)")
+    cur.execute("""
+        CREATE TABLE quarantine (
+            quarantine_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, time double precision NOT NULL,
+            kind text COLLATE "C" NOT NULL, rollout_id text COLLATE "C", reason text COLLATE "C" NOT NULL, payload text COLLATE "C" NOT NULL,
+            digest text COLLATE "C" NOT NULL UNIQUE)""")
+    # JSON text COLLATE "C" that may not parse (attributes are stored as written): NULL instead of an error, so one
+    # bad row never fails a query over many (SQLite's json_valid guard).
+    cur.execute("""
+        CREATE FUNCTION lightning_rl_json(value text) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE AS $$
+        BEGIN RETURN value::jsonb; EXCEPTION WHEN others THEN RETURN NULL; END $$""")
+
+
+def _tables(cur: Any, schema: str) -> list[str]:
+    cur.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = %s ORDER BY table_name",
+                (schema,))
+    return [r[0] for r in cur.fetchall()]
+
+
+def _version(cur: Any, schema: str) -> int | None:
+    """The schema version recorded in ``schema``; 0 when it is empty or absent; None when it holds tables
+    that are not a store's."""
+    tables = _tables(cur, schema)
+    if not tables:
+        return 0
+    if MARKER_TABLE not in tables:
+        return None
+    cur.execute(f'SELECT value FROM "{schema}".{MARKER_TABLE} WHERE key = %s', ("schema_version",))
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+def _refuse_foreign(cur: Any, schema: str, where: str) -> None:
+    tables = _tables(cur, schema)
+    shown = ", ".join(tables[:8]) + (", ..." if len(tables) > 8 else "")
+    raise NotAStoreError(f"the PostgreSQL schema {schema!r} of {where} holds tables that lightning-rl did not create "
+                         f"({shown}); refusing to write to it. Give the store a schema of its own "
+                         "(postgresql://.../DB?schema=NAME) or a new database")
+
+
+def check_version(conn: Any, schema: str, where: str) -> int:
+    """The recorded version of the store in ``schema`` (0: none yet); refuses a foreign or newer one."""
+    with conn.cursor() as cur:
+        version = _version(cur, schema)
+    if version is None:
+        with conn.cursor() as cur:
+            _refuse_foreign(cur, schema, where)
+    if version > latest_version():
+        raise SchemaTooNewError(f"{where} has store schema version {version} (PostgreSQL), newer than this lightning-rl "
+                                f"understands ({latest_version()}); upgrade lightning-rl (pip install -U lightning-rl)")
+    return version
+
+
+def migrate(conn: Any, schema: str, where: str) -> int:
+    """Bring the store in ``schema`` up to date (creating the schema), in one transaction; returns the version
+    found before (0: a new store). ``conn`` is in autocommit mode."""
+    found = check_version(conn, schema, where)
+    latest = latest_version()
+    if found == latest:
+        return found
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_MIGRATE,))
+        cur.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        found = _version(cur, schema)  # another process may have migrated it meanwhile
+        if found is None:
+            _refuse_foreign(cur, schema, where)
+        if found > latest:
+            raise SchemaTooNewError(f"{where} was upgraded to store schema {found} by a newer lightning-rl")
+        cur.execute(f'SET LOCAL search_path TO "{schema}"')
+        if found == 0:
+            cur.execute(f"CREATE TABLE {MARKER_TABLE} (key text PRIMARY KEY, value text NOT NULL)")
+            cur.execute(f"CREATE TABLE {MIGRATIONS_TABLE} (version integer PRIMARY KEY, name text NOT NULL, "
+                        "applied_at double precision NOT NULL)")
+        for target in sorted(v for v in _NAMES if v > found):
+            _MIGRATIONS.get(str(target))(cur)
+            cur.execute(f"INSERT INTO {MIGRATIONS_TABLE} VALUES (%s, %s, %s)", (target, _NAMES[target], time.time()))
+        cur.execute(f"INSERT INTO {MARKER_TABLE} VALUES ('schema_version', %s) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(latest),))
+    if found > 0:
+        logger.warning("lightning-rl: upgraded the store %s from schema %d to %d (PostgreSQL; a lightning-rl before this "
+                       "one can no longer open it)", where, found, latest)
+    return found
