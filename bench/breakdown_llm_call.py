@@ -82,12 +82,12 @@ def main() -> None:
     encoded = [span_values(r) for r in rows]
     t1 = time.process_time()
     for values in encoded:
-        store._sharer.share(values)
+        store._durable.sharer.share(values)
     t2 = time.process_time()
     rows = [dataclasses.replace(r, rollout_id="apply-" + r.rollout_id) for r in keep.rows]
     t3 = time.process_time()
     for i in range(0, n, 100):
-        store._apply([TracedSpan(r) for r in rows[i:i + 100]])
+        store._durable._apply([TracedSpan(r) for r in rows[i:i + 100]])
     t4 = time.process_time()
     out.update(encode=(t1 - t0), prefix_check=(t2 - t1), writer_apply=(t4 - t3))
     bare = TracerProvider().get_tracer("bench")

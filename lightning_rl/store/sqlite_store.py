@@ -45,9 +45,10 @@ from ..records import (
     SpanRow,
 )
 from ..settings import Settings, check_synchronous
-from . import checks, task_queue, wire
+from . import checks, task_queue
 from . import sqlite_reads as sql
 from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
+from .durable import DurableWrites
 from .lifecycle import track
 from .migrations import latest_version, migrate
 from .ops import (
@@ -60,12 +61,11 @@ from .ops import (
     TracedSpan,
     WriteReward,
 )
-from .quarantine import describe, insert_quarantine, is_record_error, read_quarantine
+from .quarantine import insert_quarantine, is_record_error, read_quarantine
 from .rows import span_record_values
-from .spill import SpillFiles, claim_folder, forget_claims, release_folder
+from .spill import SpillFiles, forget_claims
 from .sqlite_writes import QueueView, apply_ops, insert_policy
 from .tokens import PrefixSharer
-from .writer import BackgroundWriter
 
 
 class SQLiteStore:
@@ -119,16 +119,12 @@ class SQLiteStore:
         self._rlock = threading.Lock()
         self._qconn = connect(self.path, self._busy_timeout, self.synchronous)
         self._qlock = threading.Lock()
-        self._sharer = PrefixSharer()  # the writer thread's: prompts stored as prefix + tail
-        self._spills = SpillFiles(Path(self.path + ".spill"))
-        self._spills.adopt_orphans(own=claim_folder(self._spills.folder))
-        self._writer = BackgroundWriter(
-            self._apply, maxsize=self._queue_size, name=f"lightning-rl-writer:{Path(self.path).name}",
-            spill=self._spill, replay=self._replay, backlog=lambda: bool(self._spills.files),
-            give_up_after=self._give_up_after, quarantine=self._quarantine, is_record_error=is_record_error,
-        )
-        if self._spills.files:
-            self._writer.flush(0)  # wakes the writer, which writes the backlog back first
+        self._durable = DurableWrites(
+            where=repr(self.path), doctor=f"lightning-rl store doctor --store {self.path}",
+            folder=Path(self.path + ".spill"), apply=self._apply, keep_aside=self._keep_aside,
+            is_record_error=is_record_error, queue_size=self._queue_size, give_up_after=self._give_up_after,
+            name=f"lightning-rl-writer:{Path(self.path).name}")
+        self._writer, self._spills = self._durable.writer, self._durable.spills
 
     def _open_read_only(self) -> None:
         conn = connect(self.path, self._busy_timeout, read_only=True)
@@ -144,7 +140,7 @@ class SQLiteStore:
         self._rconn, self._rlock = conn, threading.Lock()
         self._wconn = self._qconn = None
         self._qlock = threading.Lock()
-        self._writer = None
+        self._durable = self._writer = None
         self._spills = SpillFiles(Path(self.path + ".spill"))  # never adopted, never replayed: only listed
 
     def _writable(self, what: str) -> None:
@@ -217,13 +213,7 @@ class SQLiteStore:
         if self._writer is None:  # read-only
             self._rconn.close()
             return
-        self._writer.close()
-        if self._spills.files:
-            try:
-                self._replay()  # one last try; what stays is adopted by the next open
-            except Exception as exc:
-                report_failure("spill replay", exc)
-        release_folder(self._spills.folder)
+        self._durable.close()  # what is queued, and one last try of the backlog (what stays is adopted later)
         for conn in (self._wconn, self._rconn, self._qconn):
             try:
                 conn.close()
@@ -243,51 +233,11 @@ class SQLiteStore:
         self._open()
 
     # -- the writer thread ------------------------------------------------------------------------
-    def _apply(self, ops: list[Op]) -> None:
-        for rollout_id in apply_ops(self._wconn, ops, self._sharer):
-            self._sharer.forget(rollout_id)
+    def _apply(self, ops: list[Op], sharer: PrefixSharer) -> list[str]:
+        return apply_ops(self._wconn, ops, sharer)
 
-    def _spill(self, ops: list[Op]) -> None:
-        lines = []
-        for op in ops:
-            try:
-                lines.append(wire.encode(op))
-            except Exception as exc:  # JSON cannot hold it: it waits, described, for the quarantine table
-                lines.append(wire.encode(describe(op, exc)))
-        self._spills.append(lines)
-        report_failure("spill", message=f"lightning-rl: store {self.path!r} unwritable; records spilled to "
-                                        f"{self._spills.folder} (written back, in order, when it can be)")
-
-    def _replay(self) -> bool:
-        """Write the spill files back, oldest first (writer thread). True when none is left. A line that
-        is not an op this version can read (another version's, damaged) is quarantined, and so is an op
-        the database refuses; everything else is written. Raises only while the file is unwritable."""
-        while self._spills.files:
-            path = self._spills.files[0]
-            ops: list[Op] = []
-            for number, line in enumerate(SpillFiles.read(path), 1):
-                try:
-                    ops.append(wire.decode(line))
-                except Exception as exc:  # not JSON, an unknown op, a payload of another shape
-                    text = line.decode(errors="replace")
-                    ops.append(Quarantine("spill line", None, f"line {number} of spill file {path.name}: {exc}"[:2000],
-                                          text[:100_000]))
-            self._writer.write(ops)
-            path.unlink()
-            self._spills.files.pop(0)
-            count("spill_files_replayed")
-        return True
-
-    def _quarantine(self, op: Op, exc: BaseException) -> None:
-        """Set aside one op the database refused for its own data (the writer's isolation)."""
-        if type(op) is Quarantine:  # a description whose batch failed: stored alone
-            note = op
-        else:
-            note = describe(op, exc)
-        if type(op) is TracedSpan:
-            self._sharer.drop(op.row.rollout_id, op.row.seq)
-        elif type(op) is EncodedSpan and len(op.values) > 1:
-            self._sharer.drop(op.values[0], op.values[1])
+    def _keep_aside(self, note: Quarantine) -> bool:
+        """One record set aside (``durable.py``), in its own transaction."""
         conn = self._wconn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -297,12 +247,7 @@ class SQLiteStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        if added:
-            count("records_quarantined")
-            report_failure("record quarantined", message=(
-                f"lightning-rl: a {note.what} record could not be written to {self.path!r} ({note.reason[:300]}); it "
-                "is kept in the store's quarantine with its original form and the rest of its batch was written. "
-                f"`lightning-rl store doctor --store {self.path}` lists what is there (logged once)"))
+        return added
 
     # -- RolloutReader ------------------------------------------------------------------------------
     def _read(self, statement: str, params: Sequence[Any] = ()) -> list[tuple]:
