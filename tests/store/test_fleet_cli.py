@@ -1,0 +1,93 @@
+"""``lightning-rl store serve|migrate|doctor`` and ``runner`` over PostgreSQL, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from click.testing import CliRunner
+
+import lightning_rl as lrl
+from lightning_rl.cli import main
+from lightning_rl.store import wait_for_groups
+from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.postgres_schema import latest_version
+from lightning_rl.store.postgres_store import PostgresStore
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(db: str, env: dict) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db", db, "--port",
+                             str(port), "--workers", "1"], env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
+        time.sleep(0.1)
+
+
+def test_servers_over_postgresql_serve_runners_given_every_url(pg_url, tmp_path):
+    env = dict(os.environ, LIGHTNING_RL_SPILL_DIR=str(tmp_path / "spill"))
+    (one, url_one), (two, url_two) = _serve(pg_url, env), _serve(pg_url, env)
+    try:
+        health = httpx.get(f"{url_one}/v1/health").json()
+        assert health["synchronous"] is None and health["store"].startswith("postgresql://")
+        client = HttpStore([url_one, url_two], spill_dir=tmp_path / "spill-test")
+        group = client.enqueue({"a": 2, "b": 3}, n=4)[0].group_id
+        os.killpg(one.pid, signal.SIGKILL)  # the first server is gone before the runner starts
+        one.wait(30)
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_rl.cli", "runner", "--agent", "tests.store.server_agents:add",
+             "--store", f"{url_one},{url_two}", "--concurrency", "2", "--max-rollouts", "4", "--report",
+             str(tmp_path / "report.json")], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert wait_for_groups(client, [group], timeout=10)
+        counters = json.loads((tmp_path / "report.json").read_text())["counters"]
+        assert counters.get("store_server_failovers", 0) >= 1 and not counters.get("spilled_ops")
+        client.close()
+    finally:
+        for proc in (one, two):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+    with PostgresStore(pg_url, read_only=True) as db:
+        trajs = list(lrl.trajectories(db))
+        assert len(trajs) == 4 and all(t.final_reward == 1.0 and len(t.tool_spans) == 1 for t in trajs)
+
+
+def test_serve_refuses_what_is_not_a_served_store(pg_url):
+    runner = CliRunner()
+    sync = runner.invoke(main, ["store", "serve", "--db", pg_url, "--synchronous", "normal"])
+    assert sync.exit_code == 1 and "--synchronous is SQLite's" in sync.output and "Traceback" not in sync.output
+    memory = runner.invoke(main, ["store", "serve", "--db", "memory://"])
+    assert memory.exit_code == 1 and "'memory://' is not a SQLite file or a postgresql:// URL" in memory.output
+    helped = runner.invoke(main, ["store", "serve", "--help"])
+    assert "postgresql://" in helped.output and "LIGHTNING_RL_STORE=http://a:8765,http://b:8765" in helped.output
+
+
+def test_migrate_over_postgresql_says_from_which_schema(pg_url):
+    runner = CliRunner()
+    first = runner.invoke(main, ["store", "migrate", "--store", pg_url])
+    assert first.exit_code == 0, first.output
+    assert f"a new store, created with schema {latest_version()}" in first.output
+    again = runner.invoke(main, ["store", "migrate", "--store", pg_url])
+    assert again.exit_code == 0 and f"schema {latest_version()}, up to date" in again.output
+    vacuum = runner.invoke(main, ["store", "migrate", "--store", pg_url, "--vacuum"])
+    assert vacuum.exit_code == 1 and "--vacuum is SQLite's" in vacuum.output
