@@ -252,7 +252,11 @@ class PostgresStore:
 
     @property
     def spill_files(self) -> list[Path]:
-        return [] if self._durable is None else list(self._durable.spills.files)
+        """Spill files waiting to be written back (read-only: every one in the folder, whoever owns it)."""
+        if self._durable is None:
+            folder = _spill_folder(self.url, self.schema)
+            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+        return list(self._durable.spills.files)
 
     @property
     def pending_writes(self) -> int:

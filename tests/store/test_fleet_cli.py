@@ -15,10 +15,15 @@ from click.testing import CliRunner
 
 import lightning_rl as lrl
 from lightning_rl.cli import main
-from lightning_rl.store import wait_for_groups
+from lightning_rl.records import RolloutStatus
+from lightning_rl.store import wait_for_groups, wire
 from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.ops import StartRollout
 from lightning_rl.store.postgres_schema import latest_version
 from lightning_rl.store.postgres_store import PostgresStore
+
+from .helpers import rollout
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -91,3 +96,30 @@ def test_migrate_over_postgresql_says_from_which_schema(pg_url):
     assert again.exit_code == 0 and f"schema {latest_version()}, up to date" in again.output
     vacuum = runner.invoke(main, ["store", "migrate", "--store", pg_url, "--vacuum"])
     assert vacuum.exit_code == 1 and "--vacuum is SQLite's" in vacuum.output
+
+
+def test_doctor_over_postgresql_lists_spill_files_it_does_not_replay(pg_url, tmp_path, monkeypatch):
+    spill = tmp_path / "spill"
+    monkeypatch.setenv("LIGHTNING_RL_SPILL_DIR", str(spill))
+    env = dict(os.environ)
+    PostgresStore(pg_url).close()  # the store exists
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    spill.mkdir()
+    left = spill / f"{time.time_ns():020d}-{dead.pid}.jsonl"  # what a writer killed while the database was away leaves
+    left.write_bytes(wire.encode(StartRollout(rollout("from-spill"))) + b"\n")
+
+    def doctor() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lightning_rl.cli", "store", "doctor", "--store", pg_url, "--json"],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    found = doctor()
+    assert found.returncode == 1, found.stderr
+    report = json.loads(found.stdout)
+    assert report["spill_files"] == 1 and report["spill"] == [str(left)] and report["quarantined"] == 0
+    assert left.exists()  # listed, not replayed
+    with PostgresStore(pg_url) as store:  # a writer opening the store adopts and replays it
+        assert store.flush(10) and store.spill_files == []
+        assert store.get_rollout("from-spill").status == RolloutStatus.RUNNING
+    clean = doctor()
+    assert clean.returncode == 0 and json.loads(clean.stdout)["spill_files"] == 0
