@@ -106,7 +106,7 @@ def is_record_error(exc: BaseException) -> bool:
     psycopg, _ = _psycopg()
     if isinstance(exc, (psycopg.errors.DataError, psycopg.errors.IntegrityError)):
         return True
-    if isinstance(exc, (psycopg.Error, OSError, MemoryError)):
+    if isinstance(exc, (psycopg.Error, OSError, MemoryError, StoreError)):  # StoreError: the writer's reconnect
         return False
     return True  # Python's own refusal of the values (an encoding error, a type it cannot adapt)
 

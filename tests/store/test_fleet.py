@@ -224,3 +224,17 @@ def test_the_default_spill_folder_is_one_per_set_of_servers(monkeypatch):
     assert _default_spill_dir(["http://b:2", "http://a:1"]).name == "a_1+b_2"
     many = [f"http://store-server-{i}.example.internal:8765" for i in range(8)]
     assert len(_default_spill_dir(many).name) < 40
+
+
+def test_an_unreachable_database_is_never_the_records_fault(pg_url):
+    """The writer reconnects after the database went away; that connection failing (StoreError) must be
+    retried and spilled like any outage, never split down to single records and quarantined (a record
+    would be set aside if the database came back between its write and its quarantine)."""
+    from lightning_rl.errors import StoreError
+    from lightning_rl.store.postgres_store import is_record_error
+
+    port = _free_port()
+    with pytest.raises(StoreError) as refused:
+        PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/nothing")
+    assert "cannot connect" in str(refused.value)
+    assert is_record_error(refused.value) is False
