@@ -123,3 +123,50 @@ def test_doctor_over_postgresql_lists_spill_files_it_does_not_replay(pg_url, tmp
         assert store.get_rollout("from-spill").status == RolloutStatus.RUNNING
     clean = doctor()
     assert clean.returncode == 0 and json.loads(clean.stdout)["spill_files"] == 0
+
+
+def test_the_gateway_given_two_servers_records_through_the_one_alive(pg_url, tmp_path):
+    from lightning_rl.serving import ServerThread
+    from tests.gateway.test_upstreams import fake_engine
+
+    env = dict(os.environ, LIGHTNING_RL_SPILL_DIR=str(tmp_path / "spill"))
+    (one, url_one), (two, url_two) = _serve(pg_url, env), _serve(pg_url, env)
+    engine = ServerThread(fake_engine("a", []), name="fake-a")
+    engine.start("a fake engine")
+    port = _free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "gateway", "--upstream", engine.url,
+                                "--store", f"{url_one},{url_two}", "--port", str(port)], env=env,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gateway.poll() is None and time.monotonic() < deadline, gateway.stderr.read() if gateway.poll() else ""
+            time.sleep(0.1)
+        os.killpg(one.pid, signal.SIGKILL)  # the gateway's first server is gone
+        one.wait(30)
+        opened = httpx.post(f"{url}/v1/rollouts", json={"task": {"q": 1}}).json()
+        answer = httpx.post(opened["base_url"] + "/chat/completions", timeout=10,
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200, answer.text
+        assert httpx.post(f"{url}/v1/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}).status_code == 200
+        with PostgresStore(pg_url, read_only=True) as db:
+            deadline = time.monotonic() + 30
+            while opened["rollout_id"] not in db.existing_rollout_ids([opened["rollout_id"]]) or \
+                    db.get_rollout(opened["rollout_id"]).status == RolloutStatus.RUNNING:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            traj = lrl.trajectory(db, opened["rollout_id"])
+        assert traj.status == RolloutStatus.SUCCEEDED and len(traj.llm_calls) == 1 and traj.final_reward == 1.0
+        assert not list((tmp_path / "spill").glob("*.jsonl"))  # it moved to the other server, nothing spilled
+    finally:
+        for proc in (gateway, one, two):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+        engine.stop()
