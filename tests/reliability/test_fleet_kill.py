@@ -30,25 +30,25 @@ class Writers:
 
     def __init__(self, orders: list[list[str]], tmp_path: Path, env: dict) -> None:
         self.stop_file = tmp_path / "stop"
-        self.acked: list[tuple[float, str]] = []
+        self.acked: list[tuple[float, int, str]] = []  # (when, writer, rollout id)
         self.counters: list[dict] = []
         self._lock = threading.Lock()
         self.procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "reliability" / "fleet_writer.py"), ",".join(urls),
              str(self.stop_file), f"w{k}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
             for k, urls in enumerate(orders)]
-        self._readers = [threading.Thread(target=self._read, args=(p,), daemon=True) for p in self.procs]
+        self._readers = [threading.Thread(target=self._read, args=(k, p), daemon=True) for k, p in enumerate(self.procs)]
         for reader in self._readers:
             reader.start()
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    def _read(self, k: int, proc: subprocess.Popen) -> None:
         import json
 
         for line in proc.stdout:
             kind, _, rest = line.strip().partition(" ")
             with self._lock:
                 if kind == "acked":
-                    self.acked.append((time.monotonic(), rest))
+                    self.acked.append((time.monotonic(), k, rest))
                 elif kind == "counters":
                     self.counters.append(json.loads(rest))
 
@@ -78,9 +78,12 @@ class Writers:
         return sum(c.get(name, 0) for c in self.counters)
 
     def longest_wait(self) -> float:
-        """The longest time no writer had a rollout acknowledged (the pause the fault cost)."""
-        times = sorted(t for t, _ in self.acked)
-        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+        """The longest any writer waited between two acknowledged rollouts (what the fault cost an agent)."""
+        longest = 0.0
+        for k in range(len(self.procs)):
+            times = [t for t, writer, _ in self.acked if writer == k]
+            longest = max([longest, *(b - a for a, b in zip(times, times[1:]))])
+        return longest
 
 
 def _stored(pg_url: str) -> dict[str, tuple]:
@@ -106,7 +109,7 @@ def _stored(pg_url: str) -> dict[str, tuple]:
 def _check(pg_url: str, writers: Writers) -> dict:
     stored = _stored(pg_url)
     quarantined = stored.pop(None)
-    acked = [rid for _, rid in writers.acked]
+    acked = [rid for _, _, rid in writers.acked]
     whole = ("succeeded", SPANS, SPANS, REWARDS, REWARDS)
     return {
         "acknowledged": len(acked),
@@ -131,7 +134,6 @@ def test_a_server_killed_mid_load_loses_and_doubles_nothing(pg_url, spill_env, t
         writers.wait_for(80)
         before = writers.count()
         one.kill()  # SIGKILL: its in-flight batches are never acknowledged; the writers move to the other
-        killed_at = time.monotonic()
         writers.wait_for(before + 160)
         after_kill = writers.count() - before
         writers.finish()
@@ -145,9 +147,7 @@ def test_a_server_killed_mid_load_loses_and_doubles_nothing(pg_url, spill_env, t
                "rollouts_per_s": round(result["acknowledged"] / wall, 1),
                "failovers": writers.total("store_server_failovers"), "spilled_ops": writers.total("spilled_ops"),
                "spill_files_replayed": writers.total("spill_files_replayed"),
-               "longest_ack_gap_s": round(writers.longest_wait(), 2),
-               "first_ack_after_kill_s": round(min((t for t, _ in writers.acked if t > killed_at), default=0)
-                                               - killed_at, 2)}
+               "longest_wait_of_a_writer_s": round(writers.longest_wait(), 2)}
     write_figures("fleet_server_kill9", figures)
     assert result["lost"] == 0 and result["incomplete_or_doubled"] == 0 and result["acknowledged_twice"] == 0
     assert result["stored_not_acknowledged"] == 0 and result["quarantined"] == 0
@@ -186,7 +186,7 @@ def test_the_database_restarted_mid_load_clients_spill_then_replay(spill_env, tm
                "wall_s": round(wall, 1), "spilled_ops": writers.total("spilled_ops"),
                "spill_files_replayed": writers.total("spill_files_replayed"),
                "failovers": writers.total("store_server_failovers"),
-               "longest_ack_gap_s": round(writers.longest_wait(), 2)}
+               "longest_wait_of_a_writer_s": round(writers.longest_wait(), 2)}
     write_figures("fleet_database_restart", figures)
     assert result["lost"] == 0 and result["incomplete_or_doubled"] == 0 and result["acknowledged_twice"] == 0
     assert result["stored_not_acknowledged"] == 0 and result["quarantined"] == 0
