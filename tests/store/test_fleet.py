@@ -238,3 +238,46 @@ def test_an_unreachable_database_is_never_the_records_fault(pg_url):
         PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/nothing")
     assert "cannot connect" in str(refused.value)
     assert is_record_error(refused.value) is False
+
+
+def test_the_grants_of_docs_fleet_md_are_enough_for_a_server_and_a_viewer(pg_url, tmp_path, monkeypatch):
+    """docs/fleet.md's roles: an administrator migrates; an app role with those grants serves the store
+    (writes, the queue, late rewards, publishes); a read-only role with SELECT views it."""
+    import uuid
+
+    import psycopg
+
+    from lightning_rl.store.postgres_store import parse_url
+
+    monkeypatch.setenv("LIGHTNING_RL_SPILL_DIR", str(tmp_path / "spill"))
+    suffix = uuid.uuid4().hex[:8]
+    app, view = f"lrl_app_{suffix}", f"lrl_view_{suffix}"
+    PostgresStore(pg_url).close()  # the administrator's migrate
+    with psycopg.connect(parse_url(pg_url)[0], autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {app} LOGIN")
+        conn.execute(f"CREATE ROLE {view} LOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA lightning_rl TO {app}, {view}")
+        conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA lightning_rl TO {app}")
+        conn.execute(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA lightning_rl TO {app}")
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA lightning_rl TO {view}")
+    user = pg_url.split("://", 1)[1].split("@", 1)[0]
+    try:
+        with BackgroundServer(pg_url.replace(f"://{user}@", f"://{app}@")) as server:
+            client = HttpStore(server.url, spill_dir=tmp_path / "spill-client", retry_for=5)
+            _write_rollout(client, "r1")
+            assert client.flush(10) and client.spill_files == []
+            client.add_reward("r1", 0.5, name="user_feedback")
+            client.record_policy("policy", 1)
+            client.enqueue({"q": 1})
+            (leased,) = client.lease("runner-a")
+            assert client.complete(leased.queue_id, "runner-a", "succeeded")
+            client.close()
+            assert server.store.spill_files == [] and server.store.quarantined() == []
+        with PostgresStore(pg_url.replace(f"://{user}@", f"://{view}@"), read_only=True) as viewer:
+            assert viewer.rollout_page().total == 1 and len(viewer.rewards("r1")) == 2
+            assert [p.version for p in viewer.policies()] == [1] and viewer.quarantined() == []
+    finally:  # roles belong to the whole cluster: leave none behind
+        with psycopg.connect(parse_url(pg_url)[0], autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {app}, {view}")
+            conn.execute(f"DROP ROLE {app}, {view}")
+    assert _counts(pg_url) == {"r1": (3, 2, "succeeded")}
