@@ -411,9 +411,9 @@ def served_store(db: str | os.PathLike[str], *, synchronous: str | None = None, 
     """The store a server writes to: ``postgresql://user@host:port/db`` (a :class:`PostgresStore`), else a
     SQLite file (a path or ``sqlite:///path``; ``synchronous``: SQLite's, refused for PostgreSQL, whose
     durability is the database's own)."""
-    from .uri import _parse
+    from .uri import parse_store_url
 
-    kind, where = _parse(os.fspath(db))
+    kind, where = parse_store_url(os.fspath(db))
     if kind == "postgres":
         if synchronous is not None:
             raise ConfigurationError(f"synchronous={synchronous!r} is SQLite's; a PostgreSQL store is as durable as the "

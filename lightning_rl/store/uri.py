@@ -12,7 +12,7 @@ SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://",
            "postgresql://USER@HOST:PORT/DATABASE")
 
 
-def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
+def parse_store_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
     """``(kind, location)``: ``("memory", "")``, ``("http", urls)`` (comma-separated), ``("postgres", url)`` or
     ``("sqlite", path)``."""
     if url is None:
@@ -41,13 +41,13 @@ def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
 
 def store_kind(url: str | os.PathLike[str]) -> str:
     """``"sqlite"``, ``"memory"``, ``"http"`` or ``"postgres"``: which store a URL names."""
-    return _parse(url)[0]
+    return parse_store_url(url)[0]
 
 
 def same_store(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Whether two URLs name the same store (``runs.db``, ``sqlite:///runs.db`` and its absolute path
     do; two ``memory://`` URLs never do: each opens a new store)."""
-    (kind_a, where_a), (kind_b, where_b) = _parse(a), _parse(b)
+    (kind_a, where_a), (kind_b, where_b) = parse_store_url(a), parse_store_url(b)
     if kind_a != kind_b or kind_a == "memory":
         return False
     if kind_a == "sqlite":
@@ -64,7 +64,7 @@ def open_store(url: str | os.PathLike[str] | None = None, *, read_only: bool = F
     ``postgresql://user@host:port/database[?schema=NAME]`` (``PostgresStore``, the ``postgres`` extra).
     Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``. ``read_only``: for readers that
     must change nothing (the viewer): no file is created or migrated, no spill file adopted or replayed."""
-    kind, where = _parse(url)
+    kind, where = parse_store_url(url)
     if kind == "memory":
         from .memory_store import InMemoryStore
 
