@@ -17,7 +17,8 @@ def store_group() -> None:
 
 
 @store_group.command("serve")
-@click.option("--db", default="lightning_rl.db", show_default=True, help="The SQLite store file to serve.")
+@click.option("--db", default="lightning_rl.db", show_default=True,
+              help="The store to serve: a SQLite file, or postgresql://USER@HOST:PORT/DATABASE[?schema=NAME].")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --token.")
 @click.option("--port", type=int, default=8765, show_default=True)
@@ -25,24 +26,50 @@ def store_group() -> None:
               help="Bearer token clients must send (default: $LIGHTNING_RL_STORE_TOKEN).")
 @click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Server processes on the port (they parse in parallel and share the SQLite file).")
-@click.option("--synchronous", type=click.Choice(["full", "normal"]), default="full", show_default=True,
-              help="full: an acknowledged batch survives a power loss (an fsync per commit); normal: a killed server.")
+              help="Server processes on the port (they parse in parallel and share the store).")
+@click.option("--synchronous", type=click.Choice(["full", "normal"]), default=None,
+              help="SQLite only. full (the default): an acknowledged batch survives a power loss (an fsync per "
+                   "commit); normal: a killed server.")
 @click.option("--log-level", default="warning", show_default=True)
 @errors
 def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: float, workers: int,
-                synchronous: str, log_level: str) -> None:
-    """Serve the store file over HTTP; clients set LIGHTNING_RL_STORE=http://HOST:PORT.
+                synchronous: str | None, log_level: str) -> None:
+    """Serve a store over HTTP; clients set LIGHTNING_RL_STORE=http://HOST:PORT.
+
+    Over PostgreSQL the server is stateless: start any number, on any machines, over one database, and give
+    clients all their URLs (LIGHTNING_RL_STORE=http://a:8765,http://b:8765: a client moves to the next
+    when one fails) or put them behind a load balancer. See docs/fleet.md.
 
     Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --port 8765 --token $TOKEN
+
+    Example: lightning-rl store serve --db postgresql://lrl@db.internal:5432/lrl --host 0.0.0.0 --token $TOKEN
     """
     from ..serving import STORE_SERVER, check_bind
     from ..store.server import serve
+    from ..store.uri import store_kind
 
     check_bind(STORE_SERVER, host, token)
-    click.echo(f"serving {db} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
+    kind = store_kind(db)
+    if kind not in ("sqlite", "postgres"):
+        raise click.ClickException(f"--db {db!r:.200} is not a SQLite file or a postgresql:// URL; a store server "
+                                   "serves one of those (e.g. --db runs.db, --db postgresql://lrl@db:5432/lrl)")
+    if kind == "postgres" and synchronous is not None:
+        raise click.ClickException("--synchronous is SQLite's; a PostgreSQL store is as durable as the database "
+                                   "makes it (its synchronous_commit setting): leave --synchronous out")
+    click.echo(f"serving {shown_url(db)} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
     serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
           workers=workers, synchronous=synchronous)
+
+
+def shown_url(store: object) -> str:
+    """A store (or its URL) as messages show it: a PostgreSQL URL without its password."""
+    if isinstance(store, str):
+        if not store.startswith(("postgresql://", "postgres://")):
+            return store
+        from ..store.postgres_store import parse_url
+
+        return parse_url(store)[2]
+    return getattr(store, "shown", None) or store.url  # type: ignore[attr-defined]
 
 
 @store_group.command("doctor")
@@ -64,7 +91,7 @@ def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
         quarantine = opened.quarantined(limit=limit)
         total = len(opened.quarantined(limit=2**62)) if len(quarantine) >= limit else len(quarantine)
         spills = [str(p) for p in getattr(opened, "spill_files", [])]
-        report = {"store": opened.url, "quarantined": total, "spill_files": len(spills),
+        report = {"store": shown_url(opened), "quarantined": total, "spill_files": len(spills),
                   "quarantine": [q.model_dump(mode="json", exclude={"schema_version"}) for q in quarantine],
                   "spill": spills, "counters": diagnostics.counters()}
     finally:
@@ -89,30 +116,44 @@ def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
 
 @store_group.command("migrate")
 @click.option("--store", default=None, help=STORE_HELP)
-@click.option("--vacuum", is_flag=True, help="Then rewrite the file to give back the space it no longer uses "
-              "(SQLite's VACUUM: needs as much free disk as the file, and no other process writing meanwhile).")
+@click.option("--vacuum", is_flag=True, help="SQLite only: then rewrite the file to give back the space it no longer "
+              "uses (SQLite's VACUUM: needs as much free disk as the file, and no other process writing meanwhile).")
 @errors
 def store_migrate(store: str | None, vacuum: bool) -> None:
-    """Upgrade a SQLite store file written by an older lightning-rl to this version's schema, in place
-    (what any command that opens it does, the listing and export ones too; the viewer, read-only, does not).
+    """Upgrade a store written by an older lightning-rl to this version's schema, in place: a SQLite file, or
+    the tables of a PostgreSQL store (its schema, one transaction; safe while servers run: they wait). Any
+    command that opens a store for writing does the same, so this says what happened, from which schema.
     A lightning-rl older than the schema can no longer open it afterwards.
 
     Example: lightning-rl store migrate --store runs.db --vacuum
+
+    Example: lightning-rl store migrate --store postgresql://lrl@db.internal:5432/lrl
     """
     import sqlite3
     from pathlib import Path
 
-    from ..store.migrations import latest_version
     from ..store.sqlite_store import SQLiteStore
+    from ..store.uri import store_kind
 
+    postgres = store_kind(store) == "postgres"
+    if vacuum and postgres:  # before anything is opened: a refused option changes nothing
+        raise click.ClickException("--vacuum is SQLite's; PostgreSQL gives space back by its autovacuum (or by "
+                                   "VACUUM FULL, which its administrator runs: it locks the store's tables)")
     opened = open_store(store)
     opened.close()
+    if postgres:
+        from ..store.postgres_schema import latest_version
+    else:
+        from ..store.migrations import latest_version
     latest = latest_version()
     before = getattr(opened, "schema_found", None)
-    if before and before < latest:
-        click.echo(f"{opened.url}: upgraded from schema {before} to {latest}")
+    where = shown_url(opened)
+    if before == 0:
+        click.echo(f"{where}: a new store, created with schema {latest}")
+    elif before and before < latest:
+        click.echo(f"{where}: upgraded from schema {before} to {latest}")
     else:
-        click.echo(f"{opened.url}: schema {latest}, up to date")
+        click.echo(f"{where}: schema {latest}, up to date")
     if vacuum and isinstance(opened, SQLiteStore):
         size = Path(opened.path).stat().st_size
         conn = sqlite3.connect(opened.path)
@@ -121,7 +162,7 @@ def store_migrate(store: str | None, vacuum: bool) -> None:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             conn.close()
-        click.echo(f"{opened.url}: vacuumed, {size:,} -> {Path(opened.path).stat().st_size:,} bytes")
+        click.echo(f"{where}: vacuumed, {size:,} -> {Path(opened.path).stat().st_size:,} bytes")
 
 
 @store_group.command("openapi")
@@ -191,13 +232,14 @@ def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host
 
     check_bind(VIEWER, host, token)
     opened = open_store(store, read_only=True)  # the viewer never writes: no migration, no spill replay
-    click.echo(f"viewer on http://{host}:{port} over {opened.url} (read-only)", err=True)
+    click.echo(f"viewer on http://{host}:{port} over {shown_url(opened)} (read-only)", err=True)
     serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token)
 
 
 @click.command("runner")
 @click.option("--agent", required=True, help="module:function of the traced agent to run on leased tasks.")
-@click.option("--store", default=None, help=STORE_HELP + " Usually http://HOST:PORT of a store server.")
+@click.option("--store", default=None, help=STORE_HELP + " Usually http://HOST:PORT of a store server; several, "
+              "comma-separated, to move to the next when one fails.")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Tries run at once.")
 @click.option("--lease-seconds", type=float, default=60.0, show_default=True,
               help="A try not heartbeaten for this long is given to another runner.")
@@ -224,7 +266,7 @@ def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id,
                     lease_seconds=lease_seconds, rollout_timeout=rollout_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    click.echo(f"{worker.runner_id}: running {agent} on tasks from {opened.url}", err=True)
+    click.echo(f"{worker.runner_id}: running {agent} on tasks from {shown_url(opened)}", err=True)
     with worker:
         ran = worker.serve(idle_exit=idle_exit, max_rollouts=max_rollouts)
     opened.flush()

@@ -4,21 +4,37 @@ Writes (rollouts, spans, rewards, finishes) are the writer's ops (``store/ops.py
 background writer that encodes them as the server's idempotent wire ops (``store/wire.py``) and sends
 them in batches, so a retried batch never duplicates anything.
 
-When the server cannot be reached (or answers 5xx) for about a second, the batch is appended to a
-local spill file instead, and so is everything after it, in order, until the server answers again;
+**Several servers, one store.** ``HttpStore(["http://a:8765", "http://b:8765"])`` (or one string with
+commas, as ``LIGHTNING_RL_STORE`` and every ``--store`` take it) talks to servers that serve one store
+(``store serve --db postgresql://...`` on any machines). The rule, for every request (the background
+batches and their replay, queries, the queue, late rewards, publishes): it goes to the server in use,
+and when that one fails (connection refused or reset, a timeout, 5xx, 408, 429) to the next, in turn,
+wrapping around; the first that answers is used from then on (a move is counted,
+``store_server_failovers``, and logged once). Only when none answers does the client spill (writes) or
+retry and then raise (the rest), as below. A 4xx answer is the request's fault, not the server's: it
+is not tried elsewhere. A request a failed server may have carried out is sent again to the next,
+which is safe because every one is idempotent in the store: rollouts by id, spans by
+``(rollout_id, seq)``, rewards by uid (the client gives every reward one), a finish by the lifecycle
+rules (a terminal state is final), a lease by its key (a retry gets the entries the first request
+leased), a completion by its runner and outcome, an enqueue by its group id (the client makes one and
+sends ``once``), a publish by its served name, version and time.
+
+When no server can be reached (or answers 5xx) for about a second, the batch is appended to a
+local spill file instead, and so is everything after it, in order, until a server answers again;
 then the spill files are replayed, oldest first, before anything newer. The agent's only wait is
 the flush at the end of its rollout, which returns once its records are on the server or in a spill
-file: about a second at most, also when the server accepts connections and never answers (writes
-and probes have short timeouts). ``complete`` waits for the backlog: a try's outcome never reaches
-the server before the rollout it reports on. A batch the server refuses (4xx: a bug or bad input, not an outage) is kept in a
-``rejected-*`` file with the server's reason and reported; it is never dropped silently.
+file: about a second per server at most, also when a server accepts connections and never answers
+(writes and probes have short timeouts). ``complete`` waits for the backlog: a try's outcome never
+reaches the server before the rollout it reports on. A batch the server refuses (4xx: a bug or bad
+input, not an outage) is kept in a ``rejected-*`` file with the server's reason and reported; it is
+never dropped silently.
 
-Spill files live in ``LIGHTNING_RL_SPILL_DIR`` (default ``~/.cache/lightning-rl/spill/<host>_<port>``).
-A process adopts the spill files of dead processes when it opens the store, so a runner killed while
-the server was down loses nothing that it had spilled.
+Spill files live in ``LIGHTNING_RL_SPILL_DIR`` (default ``~/.cache/lightning-rl/spill/<host>_<port>``,
+the servers' joined with ``+``). A process adopts the spill files of dead processes when it opens the
+store, so a runner killed while the servers were down loses nothing that it had spilled.
 
 Queries, late rewards and the task queue are plain requests, retried for ``retry_for`` seconds
-when the server is unreachable (a runner waits out a server restart) and then raised as
+when no server is reachable (a runner waits out a server restart) and then raised as
 :class:`StoreError`. What the server has no route for (LLM call counts, the last activity) is read
 through ``rollout_data`` and counted here (``store/scan.py``).
 """
@@ -26,6 +42,7 @@ through ``rollout_data`` and counted here (``store/scan.py``).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import threading
 import time
@@ -59,7 +76,7 @@ from ..records import (
 )
 from ..settings import ENV_SPILL_DIR, ENV_STORE_TOKEN, Settings
 from . import checks, scan, wire
-from .http_writes import PROBE_EVERY, REPLAY, BatchSender
+from .http_writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _Unreachable, server_urls
 from .lifecycle import track
 from .ops import EncodedSpan, FinishRollout, Op, StartRollout, TracedSpan, WriteReward
 from .rows import span_record_values
@@ -67,39 +84,40 @@ from .spill import SpillFiles
 from .writer import BackgroundWriter
 
 
-def _default_spill_dir(url: str) -> Path:
+def _default_spill_dir(urls: list[str]) -> Path:
     configured = os.environ.get(ENV_SPILL_DIR)
     if configured:
         return Path(configured)
-    parts = urlsplit(url)
-    return Path.home() / ".cache" / "lightning-rl" / "spill" / f"{parts.hostname}_{parts.port or 80}"
+    name = "+".join(sorted(f"{p.hostname}_{p.port or 80}" for p in map(urlsplit, urls)))
+    if len(name) > 120:  # many servers: a name of their own, the same whatever their order
+        name = "servers_" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "lightning-rl" / "spill" / name
 
 
 class HttpStore:
-    """The client of a store server (every protocol of ``store/protocols.py``)."""
+    """The client of store servers (every protocol of ``store/protocols.py``): ``url`` is one server, or
+    several serving one store (a list, or one string with commas), to fail over (module doc)."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 10.0, retry_for: float = 60.0,
-                 spill_dir: str | os.PathLike[str] | None = None, queue_size: int | None = None,
-                 batch_ops: int = wire.CLIENT_BATCH_OPS, read_only: bool = False) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigurationError(f"store URL {url!r} is not an http(s)://host:port URL of `lightning-rl store serve`")
-        self.url = url.rstrip("/")
+    def __init__(self, url: str | Sequence[str], *, token: str | None = None, timeout: float = 10.0,
+                 retry_for: float = 60.0, spill_dir: str | os.PathLike[str] | None = None,
+                 queue_size: int | None = None, batch_ops: int = wire.CLIENT_BATCH_OPS,
+                 read_only: bool = False) -> None:
+        urls = server_urls(url)
+        self.url = ",".join(urls)  # what open_store takes back (worker processes reopen it so)
         token = token if token is not None else os.environ.get(ENV_STORE_TOKEN)
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._timeout = httpx.Timeout(timeout, connect=min(timeout, 3.0))
-        self._client_args = dict(base_url=self.url + wire.API_PREFIX, headers=headers, timeout=self._timeout)
-        self._client = httpx.Client(**self._client_args)
+        self._servers = ServerList(urls, headers=headers, timeout=self._timeout)
         self._retry_for = retry_for
         self._batch_ops = max(1, min(batch_ops, wire.MAX_BATCH_OPS))
-        spill = SpillFiles(Path(spill_dir) if spill_dir else _default_spill_dir(self.url))
-        self._sender = BatchSender(self._client, self.url, spill, batch_ops=self._batch_ops, timeout=self._timeout)
+        spill = SpillFiles(Path(spill_dir) if spill_dir else _default_spill_dir(urls))
+        self._sender = BatchSender(self._servers, spill, batch_ops=self._batch_ops, timeout=self._timeout)
         self.read_only = read_only
         self._closed = False
         self._queue_size = queue_size or Settings.from_env().queue_size
-        if read_only:  # the viewer: no writer, and nobody's spill files are adopted or replayed
+        if read_only:  # the viewer, the doctor: no writer, and nobody's spill files are adopted or replayed
             self._writer = None
             return
         spill.adopt_orphans()
@@ -123,9 +141,9 @@ class HttpStore:
 
     def _after_fork(self) -> None:
         """In a forked child: its own connections, threads and spill files (the parent keeps its own)."""
-        self._client = httpx.Client(**self._client_args)
-        self._sender = BatchSender(self._client, self.url, SpillFiles(self._sender.spill.folder),
-                                   batch_ops=self._batch_ops, timeout=self._timeout)
+        self._servers = self._servers.renewed()
+        self._sender = BatchSender(self._servers, SpillFiles(self._sender.spill.folder), batch_ops=self._batch_ops,
+                                   timeout=self._timeout)
         self._start_threads()
 
     @property
@@ -169,13 +187,13 @@ class HttpStore:
             return
         self._closed = True
         if self._writer is None:  # read-only
-            self._client.close()
+            self._servers.close()
             return
         self._stop.set()
         self._writer.close()
         if self._sender.spill.files:
             self._sender.replay(force=True)
-        self._client.close()
+        self._servers.close()
 
     def __enter__(self) -> "HttpStore":
         return self
@@ -184,7 +202,18 @@ class HttpStore:
         self.close()
 
     @property
+    def servers(self) -> list[str]:
+        """The servers this client may use, the one in use first."""
+        urls = self._servers.urls
+        start = urls.index(self._servers.current)
+        return urls[start:] + urls[:start]
+
+    @property
     def spill_files(self) -> list[Path]:
+        """Spill files waiting to be sent (read-only: every one in the folder, whoever owns it)."""
+        if self.read_only:
+            folder = self._sender.spill.folder
+            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
         return list(self._sender.spill.files)
 
     # -- ingest ------------------------------------------------------------------------------------
@@ -204,26 +233,27 @@ class HttpStore:
     # -- requests ----------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
                  not_found_ok: bool = False) -> Any:
+        """One request to a server that answers (the one in use, then the others: module doc), retried for
+        ``retry_for`` seconds while none does."""
         deadline = time.monotonic() + self._retry_for
         delay = 0.05
         body = orjson.dumps(json) if json is not None else None
+        params = {k: v for k, v in (params or {}).items() if v is not None}
         while True:
             try:
-                resp = self._client.request(method, path, content=body,
-                                            params={k: v for k, v in (params or {}).items() if v is not None})
-            except httpx.HTTPError as exc:
-                problem: str = f"{type(exc).__name__}: {exc}"
+                resp = self._servers.send(method, path, content=body, params=params)
+            except _Unreachable as exc:
+                problem = str(exc)
             else:
                 if resp.status_code < 300:
                     return orjson.loads(resp.content)
                 if resp.status_code == 404 and not_found_ok:
                     return None
-                if resp.status_code < 500 and resp.status_code not in (408, 429):
-                    _raise_for(resp, self.url)
-                problem = f"HTTP {resp.status_code}"
+                _raise_for(resp, self._servers.current)
             if time.monotonic() >= deadline:
-                raise StoreError(f"store server {self.url} did not answer {method} {path} for {self._retry_for:.0f} s "
-                                 f"({problem}); is `lightning-rl store serve` running there?")
+                which = "store server" if len(self._servers.urls) == 1 else "none of the store servers"
+                raise StoreError(f"{which} {self.url} answered {method} {path} for {self._retry_for:.0f} s "
+                                 f"({problem[:1000]}); is `lightning-rl store serve` running there?")
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -1,19 +1,23 @@
-"""The HTTP store's write path: the writer's ops encoded as wire JSON, posted in batches, spilled to a
-local file while the server does not answer, and replayed from it, oldest first, before anything newer.
-A batch the server refuses (4xx) is kept in a ``rejected-*`` file with the reason (``http_store.py``
-describes the behaviour a runner sees)."""
+"""The HTTP store's transport and write path.
+
+:class:`ServerList`: the store servers a client may use and the one it uses now; a request goes to
+that one, then to each other in turn while they fail. :class:`BatchSender`: the writer's ops encoded as
+wire JSON, posted in batches, spilled to a local file while no server answers, and replayed from it,
+oldest first, before anything newer. A batch a server refuses (4xx) is kept in a ``rejected-*`` file
+with the reason (``http_store.py`` describes the behaviour a runner sees)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
 
 from ..boundaries import safe_text
 from ..diagnostics import count, report_failure
-from ..errors import StoreError
+from ..errors import ConfigurationError
 from . import wire
 from .ops import Op
 from .spill import SpillFiles
@@ -29,7 +33,89 @@ _BATCH_BYTES = 8 * 2**20
 
 
 class _Unreachable(Exception):
-    """The server did not answer (connection refused, timeout, 5xx): spill and retry later."""
+    """No server answered (connection refused or reset, timeout, 5xx, 408, 429): spill and retry later."""
+
+
+def is_outage(status: int) -> bool:
+    """An answer that says the server, not the request, is the problem: try another, or later."""
+    return status >= 500 or status in (408, 429)
+
+
+class ServerList:
+    """The store servers (``urls``, all serving one store) a client may use, and the one it uses now.
+
+    :meth:`send` asks the current server, then each other in turn (wrapping around), and stays with the
+    first that gives an answer that is not an outage; a move is counted (``store_server_failovers``) and
+    logged once. Shared by the writer thread and the caller's threads."""
+
+    def __init__(self, urls: list[str], **client_args: object) -> None:
+        self.urls = urls
+        self._client_args = client_args
+        self._clients = [httpx.Client(base_url=url + wire.API_PREFIX, **client_args) for url in urls]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> str:
+        return self.urls[self._current]
+
+    def renewed(self) -> "ServerList":
+        """The same servers on new connections (a forked child's own), starting with the current one."""
+        fresh = ServerList(self.urls, **self._client_args)
+        fresh._current = self._current
+        return fresh
+
+    def send(self, method: str, path: str, *, content: bytes | None = None, params: dict | None = None,
+             timeout: httpx.Timeout | None = None) -> httpx.Response:
+        """The first answer that is not an outage, from the current server or, in turn, the others;
+        :class:`_Unreachable` naming each server's problem when none gave one."""
+        start = self._current
+        problems = []
+        extra = {} if timeout is None else {"timeout": timeout}
+        for step in range(len(self.urls)):
+            index = (start + step) % len(self.urls)
+            try:
+                resp = self._clients[index].request(method, path, content=content, params=params, **extra)
+            except httpx.HTTPError as exc:
+                problems.append(f"{self.urls[index]}: {type(exc).__name__}: {exc}")
+                continue
+            if is_outage(resp.status_code):
+                problems.append(f"{self.urls[index]}: HTTP {resp.status_code}: {resp.text[:200]}")
+                continue
+            if index != start:
+                self._moved(start, index, problems)
+            return resp
+        raise _Unreachable("; ".join(problems))
+
+    def _moved(self, start: int, index: int, problems: list[str]) -> None:
+        with self._lock:
+            if self._current != start:  # another thread moved on meanwhile: keep its choice
+                return
+            self._current = index
+        count("store_server_failovers")
+        report_failure("store server failover", message=(
+            f"lightning-rl: store server failed ({'; '.join(problems)[:300]}); using {self.urls[index]} now "
+            "(logged once; counted as store_server_failovers)"))
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+
+
+def server_urls(url: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The servers of a client: a list, or one string with commas (``http://a:8765,http://b:8765``)."""
+    urls: list[str] = []
+    for part in url.split(",") if isinstance(url, str) else url:
+        parts = urlsplit(part.strip()) if isinstance(part, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigurationError(f"store server URL {part!r:.200} is not an http(s)://HOST:PORT URL of `lightning-rl "
+                                     "store serve` (several: comma-separated, http://a:8765,http://b:8765)")
+        clean = part.strip().rstrip("/")
+        if clean not in urls:
+            urls.append(clean)
+    if not urls:
+        raise ConfigurationError(f"no store server URL in {url!r:.200}; give http://HOST:PORT")
+    return urls
 
 
 class _Rejected(Exception):
@@ -57,13 +143,11 @@ REPLAY = Replay()
 
 
 class BatchSender:
-    """Sends the ops of one process's writer to ``url`` through ``client``; ``spill`` keeps what could not
-    be sent. ``latencies``: seconds per accepted batch request (bench and reliability figures)."""
+    """Sends the ops of one process's writer to ``servers``; ``spill`` keeps what could not be sent.
+    ``latencies``: seconds per accepted batch request (bench and reliability figures)."""
 
-    def __init__(self, client: httpx.Client, url: str, spill: SpillFiles, *, batch_ops: int,
-                 timeout: httpx.Timeout) -> None:
-        self._client = client
-        self.url = url
+    def __init__(self, servers: ServerList, spill: SpillFiles, *, batch_ops: int, timeout: httpx.Timeout) -> None:
+        self._servers = servers
         self.spill = spill
         self._batch_ops = batch_ops
         self._timeout = timeout
@@ -92,8 +176,9 @@ class BatchSender:
                 self._post_ops(chunk)
             except _Unreachable as exc:
                 self.spill.last_failure = time.monotonic()
-                report_failure("store server unreachable", message=f"lightning-rl: store server {self.url} "
-                               f"unreachable ({exc}); spilling to {self.spill.folder} (replayed when it returns)")
+                report_failure("store server unreachable", message=f"lightning-rl: no store server of "
+                               f"{','.join(self._servers.urls)} answered ({str(exc)[:500]}); spilling to "
+                               f"{self.spill.folder} (replayed when one answers)")
                 self.spill.append(ops[start:])
                 return
 
@@ -158,25 +243,25 @@ class BatchSender:
             "the rest of their batch was sent (logged once; counted as rejected_ops)"))
 
     def _post_batch(self, ops: list[bytes], *, timeout: httpx.Timeout, budget: float) -> None:
-        """POST one batch, retrying within ``budget`` seconds (each request under ``timeout``)."""
+        """POST one batch to a server that answers (``ServerList.send``: the current one, then the others),
+        retrying within ``budget`` seconds (each request under ``timeout``). Every op is idempotent, so a
+        batch a failed server may have committed can be sent again to the next."""
         body = wire.batch_body(ops)
         last: Exception | None = None
         deadline = time.monotonic() + budget
         for delay in (*_RETRY_DELAYS, None):
             t0 = time.perf_counter()
             try:
-                resp = self._client.post("/batch", content=body, timeout=timeout)
-            except httpx.HTTPError as exc:
+                resp = self._servers.send("POST", "/batch", content=body, timeout=timeout)
+            except _Unreachable as exc:
                 last = exc
             else:
                 if resp.status_code < 300:
                     with self._lat_lock:
                         self.latencies.append(time.perf_counter() - t0)
                     return
-                if resp.status_code < 500 and resp.status_code not in (408, 429):
-                    raise _Rejected(resp.status_code, resp.text[:2000])
-                last = StoreError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                raise _Rejected(resp.status_code, resp.text[:2000])
             if delay is None or time.monotonic() + delay >= deadline:
                 break
             time.sleep(delay)
-        raise _Unreachable(f"{type(last).__name__}: {last}")
+        raise _Unreachable(str(last))

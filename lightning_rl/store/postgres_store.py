@@ -106,7 +106,7 @@ def is_record_error(exc: BaseException) -> bool:
     psycopg, _ = _psycopg()
     if isinstance(exc, (psycopg.errors.DataError, psycopg.errors.IntegrityError)):
         return True
-    if isinstance(exc, (psycopg.Error, OSError, MemoryError)):
+    if isinstance(exc, (psycopg.Error, OSError, MemoryError, StoreError)):  # StoreError: the writer's reconnect
         return False
     return True  # Python's own refusal of the values (an encoding error, a type it cannot adapt)
 
@@ -252,7 +252,11 @@ class PostgresStore:
 
     @property
     def spill_files(self) -> list[Path]:
-        return [] if self._durable is None else list(self._durable.spills.files)
+        """Spill files waiting to be written back (read-only: every one in the folder, whoever owns it)."""
+        if self._durable is None:
+            folder = _spill_folder(self.url, self.schema)
+            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+        return list(self._durable.spills.files)
 
     @property
     def pending_writes(self) -> int:

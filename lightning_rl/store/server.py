@@ -1,15 +1,23 @@
 """``lightning-rl store serve``: the store over HTTP, for many runner processes and machines.
 
-FastAPI on uvicorn in front of one :class:`SQLiteStore`. Writes come as batches of idempotent ops
+FastAPI on uvicorn in front of one store: a SQLite file (:class:`SQLiteStore`) or a PostgreSQL database
+(:class:`PostgresStore`, ``--db postgresql://user@host:5432/db``). Writes come as batches of idempotent ops
 (``store/wire.py``), are validated completely before anything is written, and are answered once
 durable: concurrent batches share the store's background writer, so they are committed together
 (group commit). The queue, rewards and queries map one to one onto :class:`Store` methods.
 
+* Stateless over PostgreSQL: any number of servers, on any machines, may serve one database. A server
+  keeps nothing between requests that another would need: every write is idempotent in the database
+  (rollouts by id, spans by ``(rollout_id, seq)``, rewards by uid, a lease by its key, an enqueue by its
+  group id), the queue leases atomically there, and the one thing a server remembers (which rollout ids
+  exist, to check a batch's references without a query) only ever holds ids already in the database. A
+  client given several servers' URLs moves to the next when one fails (``http_store.py``).
 * Auth: ``Authorization: Bearer <token>`` on every route but ``/v1/health`` and ``/openapi.json``;
   a token is required whenever the server binds to anything but loopback.
 * Limits: request bodies over ``max_body_bytes`` get 413 before they are read in full.
 * Errors: 400 malformed JSON, 401 bad or missing token, 404 unknown rollout, 413 too large, 422
-  invalid content (with every problem and its path). Nothing of a refused batch is written.
+  invalid content (with every problem and its path), 503 the store cannot be written or read now (the
+  database is away: the client retries elsewhere or spills). Nothing of a refused batch is written.
 """
 
 from __future__ import annotations
@@ -245,7 +253,8 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
 
     @app.get(f"{p}/health")
     async def health() -> dict:
-        return {"ok": True, "store": store.url, "pending_writes": getattr(store, "pending_writes", 0),
+        return {"ok": True, "store": getattr(store, "shown", store.url),  # never a password in the URL
+                "pending_writes": getattr(store, "pending_writes", 0),
                 "synchronous": getattr(store, "synchronous", None)}
 
     @app.get(f"{p}/stats")
@@ -398,13 +407,35 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
 
 
 
+def served_store(db: str | os.PathLike[str], *, synchronous: str | None = None, **options: Any) -> Store:
+    """The store a server writes to: ``postgresql://user@host:port/db`` (a :class:`PostgresStore`), else a
+    SQLite file (a path or ``sqlite:///path``; ``synchronous``: SQLite's, refused for PostgreSQL, whose
+    durability is the database's own)."""
+    from .uri import parse_store_url
+
+    kind, where = parse_store_url(os.fspath(db))
+    if kind == "postgres":
+        if synchronous is not None:
+            raise ConfigurationError(f"synchronous={synchronous!r} is SQLite's; a PostgreSQL store is as durable as the "
+                                     "database's own settings (synchronous_commit): leave it out")
+        from .postgres_store import PostgresStore
+
+        return PostgresStore(where, **options)
+    if kind != "sqlite":
+        raise ConfigurationError(f"a store server serves a SQLite file or a PostgreSQL database, not {os.fspath(db)!r:.200}; "
+                                 "give --db runs.db or --db postgresql://USER@HOST:PORT/DATABASE")
+    from .sqlite_store import SQLiteStore
+
+    if synchronous is not None:
+        options["synchronous"] = synchronous
+    return SQLiteStore(where, **options)
+
+
 def _worker_app() -> Any:
     """One worker process's app (uvicorn imports this factory in every worker)."""
     args = json.loads(os.environ[ENV_SERVER_WORKER])
-    from .sqlite_store import SQLiteStore
-
     _tune_gc()
-    store = SQLiteStore(args["db"], synchronous=args.get("synchronous", "full"))
+    store = served_store(args["db"], synchronous=args.get("synchronous"))
     guarded, _ = create_app(store, token=args["token"], max_body_bytes=args["max_body_bytes"])
     return guarded
 
@@ -418,20 +449,28 @@ def _tune_gc() -> None:
 
 def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 2,
-          synchronous: str = "full") -> None:
+          synchronous: str | None = None) -> None:
     """Run the server until interrupted (SIGINT/SIGTERM); the store is flushed and closed on the way out.
 
-    ``workers`` > 1 runs that many processes on one port, each parsing requests and writing to the
-    same SQLite file (WAL: one write transaction at a time, parsing in parallel). ``synchronous``:
-    ``full`` (default) fsyncs each commit, so an acknowledged batch survives a power loss (group
-    commit spreads the fsync over every batch in the transaction); ``normal`` survives a killed server."""
-    from ..serving import check_bind
-    from .sqlite_store import SQLiteStore
+    ``db``: a SQLite file, or ``postgresql://user@host:port/db[?schema=NAME]``. ``workers`` > 1 runs that
+    many processes on one port, each parsing requests and writing to the same store (SQLite's WAL: one
+    write transaction at a time, parsing in parallel; PostgreSQL: in parallel). Over PostgreSQL any number
+    of such servers, on any machines, may serve one database (the module doc).
 
-    check_bind(STORE_SERVER, host, token)  # before the file is touched
-    SQLiteStore(db).close()  # create and migrate once, refusing foreign files before any worker starts
+    ``synchronous`` (SQLite only): ``full`` (the default) fsyncs each commit, so an acknowledged batch
+    survives a power loss (group commit spreads the fsync over every batch in the transaction);
+    ``normal`` survives a killed server."""
+    from ..serving import check_bind
+    from .uri import store_kind
+
+    check_bind(STORE_SERVER, host, token)  # before the store is touched
+    if store_kind(db) == "sqlite":
+        synchronous = check_synchronous(synchronous or "full")
+    elif synchronous is not None:
+        check_synchronous(synchronous)
+    served_store(db, synchronous=synchronous).close()  # create and migrate once, refusing foreign stores
     os.environ[ENV_SERVER_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
-                                          "synchronous": check_synchronous(synchronous)})
+                                                "synchronous": synchronous})
     run(STORE_SERVER, f"{__name__}:_worker_app", host=host, port=port, token=token, log_level=log_level,
         factory=True, workers=workers, timeout_graceful_shutdown=10)
 
@@ -439,16 +478,16 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
 class BackgroundServer(BackgroundService):
     """The server on a thread of this process (tests, notebooks, one-process set-ups); it owns its store.
 
-    ``with BackgroundServer("runs.db") as srv: open_store(srv.url)``. Port 0 picks a free port."""
+    ``with BackgroundServer("runs.db") as srv: open_store(srv.url)``. Port 0 picks a free port. ``db``: a
+    SQLite file or a ``postgresql://`` URL; ``store_options``: the store's keyword arguments."""
 
     def __init__(self, db: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  store_options: dict[str, Any] | None = None) -> None:
         from ..serving import check_bind
-        from .sqlite_store import SQLiteStore
 
-        check_bind(STORE_SERVER, host, token)  # before the file is opened
-        self.store = SQLiteStore(db, **(store_options or {}))
+        check_bind(STORE_SERVER, host, token)  # before the store is opened
+        self.store = served_store(db, **(store_options or {}))
         guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes)
         super().__init__(STORE_SERVER, guarded, host=host, port=port, token=token)
 
@@ -464,4 +503,4 @@ def openapi_schema() -> str:
     return json.dumps(app.openapi(), indent=2)
 
 
-__all__ = ["BackgroundServer", "create_app", "serve", "openapi_schema"]
+__all__ = ["BackgroundServer", "create_app", "serve", "served_store", "openapi_schema"]

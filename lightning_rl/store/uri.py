@@ -7,12 +7,14 @@ import os
 from ..errors import ConfigurationError
 from .protocols import Store
 
-SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://", "http(s)://HOST:PORT (lightning-rl store serve)",
+SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://",
+           "http(s)://HOST:PORT (lightning-rl store serve; several, comma-separated, to fail over)",
            "postgresql://USER@HOST:PORT/DATABASE")
 
 
-def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
-    """``(kind, location)``: ``("memory", "")``, ``("http", url)`` or ``("sqlite", path)``."""
+def parse_store_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
+    """``(kind, location)``: ``("memory", "")``, ``("http", urls)`` (comma-separated), ``("postgres", url)`` or
+    ``("sqlite", path)``."""
     if url is None:
         from ..settings import Settings
 
@@ -21,7 +23,7 @@ def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
     if url.startswith("memory://"):
         return "memory", ""
     if url.startswith(("http://", "https://")):
-        return "http", url.rstrip("/")
+        return "http", ",".join(part.strip().rstrip("/") for part in url.split(","))
     if url.startswith(("postgresql://", "postgres://")):
         return "postgres", url
     if url.startswith("sqlite://"):
@@ -37,24 +39,32 @@ def _parse(url: str | os.PathLike[str] | None) -> tuple[str, str]:
     return "sqlite", url
 
 
+def store_kind(url: str | os.PathLike[str]) -> str:
+    """``"sqlite"``, ``"memory"``, ``"http"`` or ``"postgres"``: which store a URL names."""
+    return parse_store_url(url)[0]
+
+
 def same_store(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Whether two URLs name the same store (``runs.db``, ``sqlite:///runs.db`` and its absolute path
     do; two ``memory://`` URLs never do: each opens a new store)."""
-    (kind_a, where_a), (kind_b, where_b) = _parse(a), _parse(b)
+    (kind_a, where_a), (kind_b, where_b) = parse_store_url(a), parse_store_url(b)
     if kind_a != kind_b or kind_a == "memory":
         return False
     if kind_a == "sqlite":
         return os.path.abspath(where_a) == os.path.abspath(where_b)
+    if kind_a == "http":  # the same servers, in whatever order
+        return set(where_a.split(",")) == set(where_b.split(","))
     return where_a == where_b
 
 
 def open_store(url: str | os.PathLike[str] | None = None, *, read_only: bool = False) -> Store:
     """``sqlite:///runs.db`` (relative), ``sqlite:////abs/runs.db``, a plain path, ``memory://``, or
-    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``), or
+    ``http://host:port`` of a store server (token from ``LIGHTNING_RL_STORE_TOKEN``; several servers of one
+    store comma-separated, ``http://a:8765,http://b:8765``: the client fails over, ``http_store.py``), or
     ``postgresql://user@host:port/database[?schema=NAME]`` (``PostgresStore``, the ``postgres`` extra).
     Without ``url``: ``LIGHTNING_RL_STORE`` or ``./lightning_rl.db``. ``read_only``: for readers that
     must change nothing (the viewer): no file is created or migrated, no spill file adopted or replayed."""
-    kind, where = _parse(url)
+    kind, where = parse_store_url(url)
     if kind == "memory":
         from .memory_store import InMemoryStore
 

@@ -9,6 +9,7 @@ override can be appended (``data.train_files=...``, ``trainer.n_gpus_per_node=8`
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..errors import ConfigurationError
 from ..settings import DEFAULT_STORE, ENV_STORE
+from ..store.uri import store_kind
 
 SUPPORTED = (">=0.9", "<0.10")
 CONFIG_DIR = Path(__file__).with_name("verl_config")
@@ -85,17 +87,18 @@ def verl_command(agent: str, overrides: Sequence[str] = (), *, store: str | None
     if ":" not in agent:
         raise ConfigurationError(f"--agent must be module:function of a traced agent, got {agent!r}")
     target = store or os.environ.get(ENV_STORE) or DEFAULT_STORE
-    if _nodes(overrides) > 1 and not target.startswith(("http://", "https://")):
+    if _nodes(overrides) > 1 and store_kind(target) not in ("http", "postgres"):
         raise ConfigurationError(
             f"a run on {_nodes(overrides)} nodes needs a store every node can write, but {target!r} is a SQLite "
             "file: its locks and WAL do not work across machines (not even on a shared filesystem). Run "
             "`lightning-rl store serve --db runs.db --host 0.0.0.0 --token $TOKEN` on one node and pass "
-            "--store http://THAT_NODE:8765 (and LIGHTNING_RL_STORE_TOKEN on every node)")
+            "--store http://THAT_NODE:8765 (and LIGHTNING_RL_STORE_TOKEN on every node), or a postgresql:// store")
     args = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR),
             "--config-name", CONFIG_NAME, f"lightning_rl.agent={agent}",
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loops.yaml'}"]
-    if store:
-        args.append(f"lightning_rl.store={store}")
+    if store:  # quoted where Hydra would read it otherwise: a comma (several servers) makes a sweep
+        quoted = store if not re.search(r"[,\[\]{}()'\"\\= ]", store) else "'" + re.sub(r"(['\\])", r"\\\1", store) + "'"
+        args.append(f"lightning_rl.store={quoted}")
     return args + list(overrides)
 
 

@@ -413,7 +413,8 @@ def test_trainer_worker_processes_lease_through_the_server(server, tmp_path, mon
 def _drop_answers(client: HttpStore, path: str, times: int = 1) -> list[int]:
     """The server does the work of the next `times` requests to `path` and the answer never comes back
     (a server killed between its commit and its reply). Returns the list the dropped requests are counted in."""
-    real_send, dropped = client._client.send, []
+    connection = client._servers._clients[0]  # the first server's connection
+    real_send, dropped = connection.send, []
 
     def send(request, **kwargs):
         response = real_send(request, **kwargs)
@@ -423,7 +424,7 @@ def _drop_answers(client: HttpStore, path: str, times: int = 1) -> list[int]:
             raise httpx.ReadError("connection closed before the answer", request=request)
         return response
 
-    client._client.send = send
+    connection.send = send
     return dropped
 
 

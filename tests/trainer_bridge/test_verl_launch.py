@@ -62,3 +62,20 @@ def test_a_multi_node_run_needs_the_store_server_not_a_shared_sqlite_file(monkey
     command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store="http://head:8765")
     assert "lightning_rl.store=http://head:8765" in command
     assert verl_command("pkg.agents:solve", ["trainer.nnodes=1"], store="sqlite:///runs.db")  # one node: fine
+
+
+@pytest.mark.verl
+def test_a_multi_node_run_takes_several_store_servers_or_postgresql():
+    """Hydra reads an unquoted comma as a sweep (a choice of stores, not one store of several servers), and a
+    PostgreSQL store is one every node can write."""
+    pytest.importorskip("hydra")
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    servers = "http://store-a:8765,http://store-b:8765"
+    command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=servers)
+    (given,) = [arg for arg in command if arg.startswith("lightning_rl.store=")]
+    assert OverridesParser.create().parse_override(given).value() == servers
+    postgres = "postgresql://lrl@db:5432/lrl"
+    command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=postgres)
+    (given,) = [arg for arg in command if arg.startswith("lightning_rl.store=")]
+    assert OverridesParser.create().parse_override(given).value() == postgres
