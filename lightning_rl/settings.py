@@ -4,11 +4,16 @@
 variable                           meaning                                                     default
 =================================  ==========================================================  =====================
 ``LIGHTNING_RL_STORE``             where rollouts go: ``sqlite:///path.db``, a plain path,      ``sqlite:///lightning_rl.db``
-                                   ``memory://``, or ``http://host:port`` of a store server
+                                   ``memory://``, ``http://host:port`` of a store server (several,
+                                   comma-separated: a client fails over), or
+                                   ``postgresql://user@host:port/db[?schema=NAME]``
 ``LIGHTNING_RL_STORE_TOKEN``       bearer token for a store server (client and                 none
                                    ``lightning-rl store serve``)
-``LIGHTNING_RL_SPILL_DIR``         where an HTTP client keeps records while the server is      ``~/.cache/lightning-rl/
-                                   unreachable (replayed when it returns)                      spill/HOST_PORT``
+``LIGHTNING_RL_SPILL_DIR``         where an HTTP or PostgreSQL store keeps records while its   ``~/.cache/lightning-rl/
+                                   server or database is unreachable (replayed when it         spill/HOST_PORT``
+                                   returns); with several servers, their names joined by       (``pg_HOST_PORT_DB_
+                                   ``+``                                                       SCHEMA`` for
+                                                                                               PostgreSQL)
 ``LIGHTNING_RL_MODE``              mode recorded on rollouts: ``train``, ``eval`` or ``prod``  ``train``
 ``LIGHTNING_RL_CAPTURE_TOKEN_IDS`` add ``return_token_ids`` to LLM requests in a rollout       ``1``
 ``LIGHTNING_RL_CAPTURE_LOGPROBS``  add ``logprobs`` to LLM requests in a rollout               ``1``

@@ -123,13 +123,18 @@ def apply_ops(conn: Any, ops: Iterable[Op], sharer: PrefixSharer) -> list[str]:
             if cur.rowcount == 0:
                 count("rejected_status_transitions")
         for tombstone in expires:
-            cur.execute(INSERT_ROLLOUT, clean_text(rollout_values(tombstone)))
-            cur.execute("UPDATE rollouts SET status = %s, end_time = %s, error = %s WHERE rollout_id = %s "
-                        "AND status <> %s", (_TIMED_OUT, tombstone.end_time, tombstone.error, tombstone.rollout_id,
-                                             _TIMED_OUT))
+            expire_try(cur, tombstone)
         for note in notes:
             insert_quarantine(cur, note)
     return [op.rollout_id for op in finishes]
+
+
+def expire_try(cur: Any, tombstone: Rollout) -> None:
+    """The queue gave up on a try: its rollout is ``timed_out`` (the tombstone's row if it never started),
+    final whatever its runner reports later (the lifecycle refuses a move out of ``timed_out``)."""
+    cur.execute(INSERT_ROLLOUT, clean_text(rollout_values(tombstone)))
+    cur.execute("UPDATE rollouts SET status = %s, end_time = %s, error = %s WHERE rollout_id = %s AND status <> %s",
+                (_TIMED_OUT, tombstone.end_time, tombstone.error, tombstone.rollout_id, _TIMED_OUT))
 
 
 def insert_quarantine(cur: Any, note: Quarantine) -> bool:

@@ -391,8 +391,19 @@ class PostgresStore:
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
               key: str | None = None) -> list[QueueEntry]:
-        return task_queue.lease_in(self._queue("skip"), runner, lease_seconds=lease_seconds, limit=limit,
-                                   key=key or uuid.uuid4().hex, expire_rollout=self.expire_rollout, flush=self.flush)
+        """As every store's; an expired try's rollout is marked ``timed_out`` in the lease's own transaction
+        (atomic with its retry: no process that dies in between can leave it running)."""
+        key = key or uuid.uuid4().hex
+
+        def run(view: sql.QueueView) -> list[QueueEntry]:
+            def expire(entry: QueueEntry, reason: str) -> None:
+                with view.conn.cursor() as cur:
+                    sql.expire_try(cur, task_queue.tombstone(entry, reason))
+
+            return task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire, key)
+
+        self.flush()  # this process's records first: an expiry never overtakes a try's own finish
+        return self._queue("skip")(run)
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
         return task_queue.heartbeat_in(self._queue("wait"), queue_id, runner, lease_seconds)
