@@ -74,9 +74,29 @@ def wait_idle(pids: list[int], timeout: float = 60.0) -> None:
         time.sleep(0.5)
 
 
+def _warm_client(url: str, index: int, *rest) -> None:
+    """A client that first writes one rollout of its own (not counted), so that each server has its database
+    connections, prepared statements and caches when the measurement starts, then runs as the others do."""
+    import tempfile
+
+    from lightning_rl.records import Rollout, RolloutStatus, SpanRow
+    from lightning_rl.store.http_store import HttpStore
+
+    store = HttpStore(url, spill_dir=tempfile.mkdtemp(prefix=f"bench-warm-{index}-"))
+    store.start_rollout(Rollout(rollout_id=f"warm-{index}", name="bench"))
+    for seq in range(50):
+        store.write_span(SpanRow(rollout_id=f"warm-{index}", seq=seq, trace_id=1, span_id=seq + 1, parent_id=None,
+                                 name="warm", kind="CLIENT", start_ns=1, end_ns=2, status_code="OK",
+                                 status_message=None, attributes={}, events=(), tokens=None))
+    store.finish_rollout(f"warm-{index}", RolloutStatus.SUCCEEDED, time.time(), None)
+    store.close()
+    _client(url, index, *rest)
+
+
 def _stored(kind: str, target: str) -> tuple[int, int, int]:
-    """(spans stored, distinct (rollout, seq), rollouts not succeeded)."""
-    spans_sql = "SELECT COUNT(*), COUNT(DISTINCT rollout_id || ':' || seq) FROM spans"
+    """(spans stored, distinct (rollout, seq), rollouts not succeeded), the warm-up rollouts left out."""
+    spans_sql = ("SELECT COUNT(*), COUNT(DISTINCT rollout_id || ':' || seq) FROM spans "
+                 "WHERE rollout_id NOT LIKE 'warm-%'")
     unfinished_sql = "SELECT COUNT(*) FROM rollouts WHERE status != 'succeeded'"
     if kind == "sqlite":
         conn = sqlite3.connect(target)
@@ -117,7 +137,7 @@ def run_config(name: str, args: argparse.Namespace, cluster, work: Path) -> dict
         wait_idle([s.pid for s, _ in servers])
         ctx = mp.get_context("spawn")
         barrier, out = ctx.Barrier(args.clients + 1), ctx.Queue()
-        procs = [ctx.Process(target=_client, args=(servers[i % n_servers][1], i, args.spans_per_client,
+        procs = [ctx.Process(target=_warm_client, args=(servers[i % n_servers][1], i, args.spans_per_client,
                                                    args.prompt_tokens, args.response_tokens, args.batch_ops, barrier,
                                                    out)) for i in range(args.clients)]
         for p in procs:
@@ -171,6 +191,9 @@ def run_config(name: str, args: argparse.Namespace, cluster, work: Path) -> dict
         # share of one core over the wall time: each server (its busiest process), the database, the machine
         "cores_used": {"servers": [round(s / wall, 2) for s in servers_s],
                        "busiest server process": round(max(max(p.values()) for p in per_process) / wall, 2),
+                       # each server's processes (uvicorn's supervisor first when it has workers): how evenly
+                       # the clients' connections spread over its workers
+                       "server processes": [[round(c / wall, 2) for c in p.values()] for p in per_process],
                        "database": round(db_s / wall, 2), "clients": round(clients_s / wall, 2),
                        "machine": round(busy_s / wall, 2), "of": CORES},
     }
@@ -259,7 +282,8 @@ def main() -> None:
               f"{cpu['other work on the machine']:7.1f} | {c['machine_cores_busy']['median']:.2f} of {CORES} | "
               f"{c['spans_per_s_at_full_cores']['median']:>13,.0f}")
         for r in rs:
-            print(f"    ceiling: {r['ceiling']}; per server {r['cores_used']['servers']} cores, database "
+            print(f"    ceiling: {r['ceiling']}; per server {r['cores_used']['servers']} cores (by process "
+                  f"{r['cores_used']['server processes']}), database "
                   f"{r['cores_used']['database']}, clients {r['cores_used']['clients']}")
     s = result["server_cpu_pg_over_sqlite"]
     t = result["two_servers_over_one"]
