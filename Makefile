@@ -130,11 +130,13 @@ demo-continuous: $(DEMO_DEPS)
 demo-spine: $(DEMO_DEPS)
 	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
 
-bench: all venv-peer
+bench: all venv-peer postgres
 	$(PY) bench/bench_store_server.py --peer-python .venv-peer/bin/python --json-out .cache/bench-store-server.json
+	$(PY) bench/bench_pg_store_server.py --json-out .cache/bench-pg-store-server.json
 	$(PY) bench/bench_span_cost.py
 	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
 	$(PY) bench/bench_store_ingest.py
+	$(PY) bench/bench_pg_ingest.py
 	$(PY) bench/bench_sqlite_synchronous.py
 	$(PY) bench/bench_commit_window.py
 	$(PY) bench/bench_memory.py
@@ -144,6 +146,7 @@ bench: all venv-peer
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
 	$(PY) bench/bench_gateway.py --json-out .cache/bench-gateway.json
 	$(PY) bench/bench_viewer.py --json-out .cache/bench-viewer.json
+	$(PY) bench/bench_viewer.py --store postgres --json-out .cache/bench-viewer-pg.json
 	$(PY) bench/bench_judge.py --json-out .cache/bench-judge.json
 
 clean:

@@ -36,9 +36,11 @@ def _free_port() -> int:
 class PostgresCluster:
     """``start()`` makes and starts a cluster in ``root`` (a new folder); ``url(db)`` connects to a database
     of it (``create_database`` makes one); ``stop()``, ``kill()`` (an immediate shutdown: what a crash of the
-    server leaves) and ``start()`` again for the reliability tests; ``destroy()`` removes the folder."""
+    server leaves) and ``start()`` again for the reliability tests; ``destroy()`` removes the folder.
+    ``durable=True`` keeps PostgreSQL's own defaults of fsync and full-page writes (a commit is on disk when
+    it returns, as in production: the benchmarks); the tests turn them off."""
 
-    def __init__(self, root: Path, *, port: int | None = None) -> None:
+    def __init__(self, root: Path, *, port: int | None = None, durable: bool = False) -> None:
         binaries = server_binaries()
         if binaries is None:
             raise RuntimeError("PostgreSQL's server binaries are not installed; run `make postgres` (Debian's "
@@ -49,6 +51,7 @@ class PostgresCluster:
         self.sockets = self.root / "sockets"
         self.log = self.root / "server.log"
         self.port = port or _free_port()
+        self.durable = durable
         self._as_postgres = os.geteuid() == 0
         self.user = "postgres" if self._as_postgres else getpass.getuser()
 
@@ -67,8 +70,9 @@ class PostgresCluster:
                 shutil.chown(self.sockets, "postgres", "postgres")
             self._run("initdb", "-D", str(self.data), "-U", self.user, "--auth=trust", "-E", "UTF8",
                       "--locale=C", "--no-sync")
-        options = (f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c full_page_writes=off -c max_connections=200 -c shared_buffers=128MB")
+        options = (f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 "
+                   f"{'' if self.durable else '-c fsync=off -c full_page_writes=off '}"
+                   "-c max_connections=200 -c shared_buffers=128MB")
         result = self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "-t", "60",
                            "start", check=False)
         if result.returncode != 0:
