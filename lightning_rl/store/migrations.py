@@ -273,3 +273,25 @@ def _shared_messages(db: sqlite_utils.Database) -> None:
         conn.executemany("UPDATE spans SET attributes = ?, input_base_seq = ?, input_shared = ?, input_messages = ?, "
                          "output_messages = ? WHERE rowid = ?", updates)
         sharer.forget(rollout_id)
+
+
+@migration(11, "each rollout keeps the sum and count of its 'reward' rewards (the viewer's reward pages read a column)")
+def _reward_sums(db: sqlite_utils.Database) -> None:
+    conn = db.conn
+    columns = db["rollouts"].columns_dict
+    if "reward_sum" not in columns:
+        conn.execute("ALTER TABLE rollouts ADD COLUMN reward_sum REAL")
+    if "reward_count" not in columns:
+        conn.execute("ALTER TABLE rollouts ADD COLUMN reward_count INTEGER NOT NULL DEFAULT 0")
+    conn.execute("UPDATE rollouts SET (reward_sum, reward_count) = (SELECT sum(value), count(*) FROM rewards w "
+                 "WHERE w.rollout_id = rollouts.rollout_id AND w.name = 'reward')")
+    conn.execute("CREATE INDEX IF NOT EXISTS rollouts_reward ON rollouts (reward_sum)")
+    # Kept by the database itself, so every writer (and a reward inserted twice, ignored) keeps them right:
+    # a new 'reward' adds to its rollout; a rollout stored after its rewards (a replayed spill) counts them.
+    conn.execute("CREATE TRIGGER IF NOT EXISTS rewards_sum AFTER INSERT ON rewards WHEN NEW.name = 'reward' BEGIN "
+                 "UPDATE rollouts SET reward_sum = coalesce(reward_sum, 0) + NEW.value, "
+                 "reward_count = reward_count + 1 WHERE rollout_id = NEW.rollout_id; END")
+    conn.execute("CREATE TRIGGER IF NOT EXISTS rollouts_sum AFTER INSERT ON rollouts "
+                 "WHEN EXISTS (SELECT 1 FROM rewards WHERE rollout_id = NEW.rollout_id AND name = 'reward') BEGIN "
+                 "UPDATE rollouts SET (reward_sum, reward_count) = (SELECT sum(value), count(*) FROM rewards "
+                 "WHERE rollout_id = NEW.rollout_id AND name = 'reward') WHERE rollout_id = NEW.rollout_id; END")

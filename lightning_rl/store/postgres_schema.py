@@ -44,56 +44,85 @@ def latest_version() -> int:
     return max(_NAMES)
 
 
-@migration(1, "rollouts, spans (packed, prefix-shared tokens and messages), rewards, queue, policies, quarantine")
+#: Text compared byte by byte, as SQLite's BINARY collation (module doc).
+T = 'text COLLATE "C"'
+
+
+@migration(1, "rollouts (with their reward sums), spans (packed, prefix-shared tokens and messages), rewards, queue, "
+              "policies, quarantine")
 def _initial(cur: Any) -> None:
-    cur.execute("""
+    cur.execute(f"""
         CREATE TABLE rollouts (
-            rollout_id text COLLATE "C" PRIMARY KEY, name text COLLATE "C" NOT NULL, agent text COLLATE "C", task text COLLATE "C", group_id text COLLATE "C",
-            attempt bigint NOT NULL, mode text COLLATE "C" NOT NULL, status text COLLATE "C" NOT NULL, policy_version bigint,
-            start_time double precision NOT NULL, end_time double precision, error text COLLATE "C", origin text COLLATE "C",
+            rollout_id {T} PRIMARY KEY, name {T} NOT NULL, agent {T}, task {T}, group_id {T},
+            attempt bigint NOT NULL, mode {T} NOT NULL, status {T} NOT NULL, policy_version bigint,
+            start_time double precision NOT NULL, end_time double precision, error {T}, origin {T},
+            reward_sum double precision, reward_count bigint NOT NULL DEFAULT 0,
             row_order bigint GENERATED ALWAYS AS IDENTITY)""")
     cur.execute("CREATE INDEX rollouts_mode_start ON rollouts (mode, start_time)")
     cur.execute("CREATE INDEX rollouts_start ON rollouts (start_time, row_order)")
     cur.execute("CREATE INDEX rollouts_status_start ON rollouts (status, start_time)")
     cur.execute("CREATE INDEX rollouts_group ON rollouts (group_id)")
-    cur.execute("""
+    cur.execute("CREATE INDEX rollouts_reward ON rollouts (reward_sum)")
+    cur.execute(f"""
         CREATE TABLE spans (
-            rollout_id text COLLATE "C" NOT NULL, seq bigint NOT NULL, trace_id text COLLATE "C" NOT NULL, span_id text COLLATE "C" NOT NULL,
-            parent_id text COLLATE "C", name text COLLATE "C" NOT NULL, kind text COLLATE "C" NOT NULL, start_ns bigint NOT NULL,
-            end_ns bigint NOT NULL, status_code text COLLATE "C" NOT NULL, status_message text COLLATE "C", attributes text COLLATE "C" NOT NULL,
-            events text COLLATE "C", prompt_base_seq bigint, prompt_shared bigint, prompt_ids bytea, response_ids bytea,
-            response_logprobs bytea, input_base_seq bigint, input_shared bigint, input_messages text COLLATE "C",
-            output_messages text COLLATE "C",
+            rollout_id {T} NOT NULL, seq bigint NOT NULL, trace_id {T} NOT NULL, span_id {T} NOT NULL,
+            parent_id {T}, name {T} NOT NULL, kind {T} NOT NULL, start_ns bigint NOT NULL, end_ns bigint NOT NULL,
+            status_code {T} NOT NULL, status_message {T}, attributes {T} NOT NULL, events {T},
+            prompt_base_seq bigint, prompt_shared bigint, prompt_ids bytea, response_ids bytea,
+            response_logprobs bytea, input_base_seq bigint, input_shared bigint, input_messages {T},
+            output_messages {T},
             PRIMARY KEY (rollout_id, seq))""")
-    cur.execute("""
+    cur.execute(f"""
         CREATE TABLE rewards (
-            reward_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, rollout_id text COLLATE "C" NOT NULL,
-            name text COLLATE "C" NOT NULL, value double precision NOT NULL, llm_call_index bigint, agent text COLLATE "C",
-            source text COLLATE "C" NOT NULL, time double precision NOT NULL, uid text COLLATE "C" UNIQUE)""")
+            reward_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, rollout_id {T} NOT NULL, name {T} NOT NULL,
+            value double precision NOT NULL, llm_call_index bigint, agent {T}, source {T} NOT NULL,
+            time double precision NOT NULL, uid {T} UNIQUE)""")
     cur.execute("CREATE INDEX rewards_rollout ON rewards (rollout_id)")
-    cur.execute("""
+    cur.execute(f"""
         CREATE TABLE queue (
-            queue_id text COLLATE "C" PRIMARY KEY, group_id text COLLATE "C" NOT NULL, task text COLLATE "C", attempt bigint NOT NULL,
-            mode text COLLATE "C" NOT NULL, status text COLLATE "C" NOT NULL, runner text COLLATE "C", lease_expires double precision,
-            tries bigint NOT NULL, max_tries bigint NOT NULL, rollout_id text COLLATE "C", outcome text COLLATE "C",
-            created double precision NOT NULL, lease_key text COLLATE "C")""")
+            queue_id {T} PRIMARY KEY, group_id {T} NOT NULL, task {T}, attempt bigint NOT NULL, mode {T} NOT NULL,
+            status {T} NOT NULL, runner {T}, lease_expires double precision, tries bigint NOT NULL,
+            max_tries bigint NOT NULL, rollout_id {T}, outcome {T}, created double precision NOT NULL,
+            lease_key {T})""")
     cur.execute("CREATE INDEX queue_status_created ON queue (status, created)")
     cur.execute("CREATE INDEX queue_group ON queue (group_id)")
-    cur.execute("""
+    cur.execute(f"""
         CREATE TABLE policies (
-            publish_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, served_name text COLLATE "C" NOT NULL,
-            version bigint NOT NULL, adapter text COLLATE "C", time double precision NOT NULL, trained_on text COLLATE "C")""")
+            publish_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, served_name {T} NOT NULL,
+            version bigint NOT NULL, adapter {T}, time double precision NOT NULL, trained_on {T})""")
     cur.execute("CREATE INDEX policies_name ON policies (served_name, publish_id)")
-    cur.execute("""
+    cur.execute(f"""
         CREATE TABLE quarantine (
             quarantine_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, time double precision NOT NULL,
-            kind text COLLATE "C" NOT NULL, rollout_id text COLLATE "C", reason text COLLATE "C" NOT NULL, payload text COLLATE "C" NOT NULL,
-            digest text COLLATE "C" NOT NULL UNIQUE)""")
-    # JSON text COLLATE "C" that may not parse (attributes are stored as written): NULL instead of an error, so one
+            kind {T} NOT NULL, rollout_id {T}, reason {T} NOT NULL, payload {T} NOT NULL, digest {T} NOT NULL UNIQUE)""")
+    # JSON text that may not parse (attributes are stored as written): NULL instead of an error, so one
     # bad row never fails a query over many (SQLite's json_valid guard).
     cur.execute("""
         CREATE FUNCTION lightning_rl_json(value text) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE AS $$
         BEGIN RETURN value::jsonb; EXCEPTION WHEN others THEN RETURN NULL; END $$""")
+    # Each rollout's sum and count of its 'reward' rewards, kept by the database (the viewer's reward pages
+    # read a column instead of aggregating every reward), as SQLite's migration 11: a new reward adds to its
+    # rollout (a reward stored twice is not inserted, so not added); a rollout stored after its rewards counts them.
+    cur.execute("""
+        CREATE FUNCTION lightning_rl_reward_added() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+        BEGIN
+            UPDATE rollouts SET reward_sum = coalesce(reward_sum, 0) + NEW.value, reward_count = reward_count + 1
+            WHERE rollout_id = NEW.rollout_id;
+            RETURN NULL;
+        END $$""")
+    cur.execute("CREATE TRIGGER rewards_sum AFTER INSERT ON rewards FOR EACH ROW WHEN (NEW.name = 'reward') "
+                "EXECUTE FUNCTION lightning_rl_reward_added()")
+    cur.execute("""
+        CREATE FUNCTION lightning_rl_rollout_added() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM rewards WHERE rollout_id = NEW.rollout_id AND name = 'reward') THEN
+                UPDATE rollouts SET (reward_sum, reward_count) = (SELECT sum(value), count(*) FROM rewards
+                    WHERE rollout_id = NEW.rollout_id AND name = 'reward') WHERE rollout_id = NEW.rollout_id;
+            END IF;
+            RETURN NULL;
+        END $$""")
+    cur.execute("CREATE TRIGGER rollouts_sum AFTER INSERT ON rollouts FOR EACH ROW "
+                "EXECUTE FUNCTION lightning_rl_rollout_added()")
 
 
 def _tables(cur: Any, schema: str) -> list[str]:

@@ -284,48 +284,35 @@ def query_rollouts(conn: Any, *, mode: str | None, status: str | None, since: fl
 
 
 def rollout_page(conn: Any, query: RolloutQuery) -> RolloutPage:
-    """As the SQLite store's: filters on the rollouts' columns, the reward sum joined only when it is
-    filtered or sorted on, otherwise read for the page's rows alone. Text search is case-insensitive."""
+    """As the SQLite store's: filters and sorts on the rollouts' own columns, the reward sums included (kept by
+    the database's triggers, ``postgres_schema.py``), so no page aggregates. Text search ignores case."""
     where, params = [], []
     for column, value in (("mode", query.mode), ("status", query.status), ("agent", query.agent),
                           ("group_id", query.group_id), ("policy_version", query.policy_version)):
         if value is not None:
-            where.append(f"r.{column} = %s")
+            where.append(f"{column} = %s")
             params.append(value.value if hasattr(value, "value") else value)
     if query.text:
         pattern = "%" + query.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where.append("(r.task ILIKE %s OR r.rollout_id ILIKE %s)")
+        where.append("(task ILIKE %s OR rollout_id ILIKE %s)")
         params += [pattern, pattern]
-    by_reward = query.sort == "reward" or query.reward_min is not None or query.reward_max is not None
-    sums = ("(SELECT rollout_id, SUM(value) AS reward, COUNT(*) AS n FROM rewards WHERE name = 'reward' "
-            "GROUP BY rollout_id)")
-    source = f"rollouts r LEFT JOIN {sums} w ON w.rollout_id = r.rollout_id" if by_reward else "rollouts r"
     if query.reward_min is not None:
-        where.append("w.reward >= %s")
+        where.append("reward_sum >= %s")
         params.append(query.reward_min)
     if query.reward_max is not None:
-        where.append("w.reward <= %s")
+        where.append("reward_sum <= %s")
         params.append(query.reward_max)
     clause = (" WHERE " + " AND ".join(where)) if where else ""
     direction = "DESC" if query.descending else "ASC"
-    column = "w.reward" if query.sort == "reward" else f"r.{query.sort}"
+    column = "reward_sum" if query.sort == "reward" else query.sort
     nulls = " NULLS LAST" if query.sort not in ("start_time", "status", "mode", "rollout_id") else ""
-    order = f"{column} {direction}{nulls}, r.start_time {direction}, r.row_order {direction}"
-    columns = ", ".join(f"r.{c}" for c in ROLLOUT_COLUMNS)
-    extra = ", w.reward, w.n" if by_reward else ""
-    (total,), = _rows(conn, f"SELECT count(*) FROM {source}{clause}", params)
-    found = _rows(conn, f"SELECT {columns}{extra} FROM {source}{clause} ORDER BY {order} LIMIT %s OFFSET %s",
-                  (*params, query.limit, query.offset))
+    order = f"{column} {direction}{nulls}, start_time {direction}, row_order {direction}"
+    (total,), = _rows(conn, f"SELECT count(*) FROM rollouts{clause}", params)
+    found = _rows(conn, f"SELECT {', '.join(ROLLOUT_COLUMNS)}, reward_sum, reward_count FROM rollouts{clause} "
+                        f"ORDER BY {order} LIMIT %s OFFSET %s", (*params, query.limit, query.offset))
     n = len(ROLLOUT_COLUMNS)
-    if by_reward:
-        rewards = {row[0]: (row[n], row[n + 1] or 0) for row in found}
-    else:
-        ids = [row[0] for row in found]
-        rewards = {rid: (total_, count_) for rid, total_, count_ in _rows(
-            conn, "SELECT rollout_id, SUM(value), COUNT(*) FROM rewards WHERE name = 'reward' AND rollout_id = ANY(%s) "
-            "GROUP BY rollout_id", (ids,))} if ids else {}
-    rows = [RolloutRow(rollout=rollout, reward=rewards.get(rollout.rollout_id, (None, 0))[0],
-                       rewards=rewards.get(rollout.rollout_id, (None, 0))[1])
+    sums = {row[0]: (row[n] if row[n + 1] else None, row[n + 1]) for row in found}
+    rows = [RolloutRow(rollout=rollout, reward=sums[rollout.rollout_id][0], rewards=sums[rollout.rollout_id][1])
             for rollout in rollouts_from_rows([row[:n] for row in found])]
     return RolloutPage(rows=rows, total=total)
 

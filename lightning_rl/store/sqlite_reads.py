@@ -77,49 +77,36 @@ def query_rollouts(conn: sqlite3.Connection, *, mode: str | None, status: str | 
 
 
 def rollout_page(conn: sqlite3.Connection, query: RolloutQuery) -> RolloutPage:
-    """Filters on the rollouts' columns (indexed by mode and start), the reward sum joined only when it is
-    filtered or sorted on; otherwise read for the page's rows alone."""
+    """Filters and sorts on the rollouts' own columns (indexed by mode, start and reward): the sum and count of
+    each rollout's ``reward`` rewards are columns the database keeps (migration 11), so no page aggregates."""
     where, params = [], []
     for column, value in (("mode", query.mode), ("status", query.status), ("agent", query.agent),
                           ("group_id", query.group_id), ("policy_version", query.policy_version)):
         if value is not None:
-            where.append(f"r.{column} = ?")
+            where.append(f"{column} = ?")
             params.append(value.value if hasattr(value, "value") else value)
     if query.text:
         pattern = "%" + query.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where.append("(r.task LIKE ? ESCAPE '\\' OR r.rollout_id LIKE ? ESCAPE '\\')")
+        where.append("(task LIKE ? ESCAPE '\\' OR rollout_id LIKE ? ESCAPE '\\')")
         params += [pattern, pattern]
-    by_reward = query.sort == "reward" or query.reward_min is not None or query.reward_max is not None
-    sums = ("(SELECT rollout_id, SUM(value) AS reward, COUNT(*) AS n FROM rewards WHERE name = 'reward' "
-            "GROUP BY rollout_id)")
-    source = f"rollouts r LEFT JOIN {sums} w ON w.rollout_id = r.rollout_id" if by_reward else "rollouts r"
     if query.reward_min is not None:
-        where.append("w.reward >= ?")
+        where.append("reward_sum >= ?")
         params.append(query.reward_min)
     if query.reward_max is not None:
-        where.append("w.reward <= ?")
+        where.append("reward_sum <= ?")
         params.append(query.reward_max)
     clause = (" WHERE " + " AND ".join(where)) if where else ""
     direction = "DESC" if query.descending else "ASC"
-    column = "w.reward" if query.sort == "reward" else f"r.{query.sort}"
+    column = "reward_sum" if query.sort == "reward" else query.sort
     # columns that are never NULL sort without the NULLs-last term, so an index can give the order
     nulls_last = "" if query.sort in ("start_time", "status", "mode", "rollout_id") else f"{column} IS NULL, "
-    order = f"{nulls_last}{column} {direction}, r.start_time {direction}, r.rowid {direction}"
-    columns = ", ".join(f"r.{c}" for c in ROLLOUT_COLUMNS)
-    extra = ", w.reward, w.n" if by_reward else ""
-    total = conn.execute(f"SELECT count(*) FROM {source}{clause}", params).fetchone()[0]
-    found = conn.execute(f"SELECT {columns}{extra} FROM {source}{clause} ORDER BY {order} LIMIT ? OFFSET ?",
-                         (*params, query.limit, query.offset)).fetchall()
+    order = f"{nulls_last}{column} {direction}, start_time {direction}, rowid {direction}"
+    total = conn.execute(f"SELECT count(*) FROM rollouts{clause}", params).fetchone()[0]
+    found = conn.execute(f"SELECT {', '.join(ROLLOUT_COLUMNS)}, reward_sum, reward_count FROM rollouts{clause} "
+                         f"ORDER BY {order} LIMIT ? OFFSET ?", (*params, query.limit, query.offset)).fetchall()
     n = len(ROLLOUT_COLUMNS)
-    if by_reward:
-        rewards = {row[0]: (row[n], row[n + 1] or 0) for row in found}
-    else:
-        ids = [row[0] for row in found]
-        rewards = {rid: (total_, count_) for rid, total_, count_ in conn.execute(
-            f"SELECT rollout_id, SUM(value), COUNT(*) FROM rewards WHERE name = 'reward' AND rollout_id IN "
-            f"({_marks(ids)}) GROUP BY rollout_id", ids).fetchall()} if ids else {}
-    rows = [RolloutRow(rollout=rollout, reward=rewards.get(rollout.rollout_id, (None, 0))[0],
-                       rewards=rewards.get(rollout.rollout_id, (None, 0))[1])
+    sums = {row[0]: (row[n] if row[n + 1] else None, row[n + 1]) for row in found}
+    rows = [RolloutRow(rollout=rollout, reward=sums[rollout.rollout_id][0], rewards=sums[rollout.rollout_id][1])
             for rollout in rollouts_from_rows([row[:n] for row in found])]
     return RolloutPage(rows=rows, total=total)
 

@@ -1,5 +1,6 @@
-"""Store.rollout_page: the same page from the SQLite store (SQL), the store server (HTTP) and the
-generic Python path (the in-memory store), for every filter and sort."""
+"""Store.rollout_page: the same page from the SQLite and PostgreSQL stores (SQL over the reward sums their
+databases keep), the store server (HTTP) and the generic Python path (the in-memory store), for every filter
+and sort."""
 
 from __future__ import annotations
 
@@ -42,18 +43,49 @@ def _shape(page):
     return page.total, [(row.rollout.rollout_id, row.reward, row.rewards) for row in page.rows]
 
 
-@pytest.mark.parametrize("query", QUERIES, ids=[str(q) for q in QUERIES])
-def test_sqlite_sql_and_the_generic_path_agree(tmp_path, query):
-    sqlite, memory = SQLiteStore(tmp_path / "s.db"), MemoryStore()
-    for store in (sqlite, memory):
+def _sql_store(kind, request, tmp_path):
+    if kind == "sqlite":
+        return SQLiteStore(tmp_path / "s.db")
+    from lightning_rl.store.postgres_store import PostgresStore
+
+    return PostgresStore(request.getfixturevalue("pg_url"))
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_sql_and_the_generic_path_agree(request, tmp_path, kind):
+    sql, memory = _sql_store(kind, request, tmp_path), MemoryStore()
+    for store in (sql, memory):
         _fill(store)
-    got = _shape(sqlite.rollout_page(**query))
-    assert got == _shape(memory.rollout_page(**query))
-    if not query:
-        assert got[0] == 30 and len(got[1]) == 30 and got[1][0][0] == "r29"  # newest first
-        assert dict((rid, (reward, n)) for rid, reward, n in got[1])["r03"] == (1.25, 2)  # 0.75 + 0.5, not 9
-        assert dict((rid, (reward, n)) for rid, reward, n in got[1])["r07"] == (None, 0)
-    sqlite.close()
+    for query in QUERIES:
+        got = _shape(sql.rollout_page(**query))
+        assert got == _shape(memory.rollout_page(**query)), query
+        if not query:
+            assert got[0] == 30 and len(got[1]) == 30 and got[1][0][0] == "r29"  # newest first
+            assert dict((rid, (reward, n)) for rid, reward, n in got[1])["r03"] == (1.25, 2)  # 0.75 + 0.5, not 9
+            assert dict((rid, (reward, n)) for rid, reward, n in got[1])["r07"] == (None, 0)
+    sql.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_reward_sums_the_database_keeps_stay_right(request, tmp_path, kind):
+    """A reward stored twice (a retried batch) is summed once; a reward that reaches the store before its
+    rollout's row (a replayed spill) is summed when the row comes; late feedback adds; other names do not."""
+    store = _sql_store(kind, request, tmp_path)
+    early = Reward(rollout_id="late-row", value=0.25, source=RewardSource.RETURNED)
+    store.write_reward(early)
+    store.flush()
+    store.start_rollout(Rollout(rollout_id="late-row", name="calc", task={}, start_time=time.time()))
+    store.start_rollout(Rollout(rollout_id="r", name="calc", task={}, start_time=time.time()))
+    store.flush()
+    twice = Reward(rollout_id="r", value=0.5, source=RewardSource.RETURNED)
+    for reward in (twice, twice, Reward(rollout_id="r", value=7.0, name="user_feedback"), early):
+        store.write_reward(reward)
+    store.flush()
+    store.add_reward("r", 0.25)  # late feedback
+    page = {row.rollout.rollout_id: (row.reward, row.rewards) for row in store.rollout_page().rows}
+    assert page == {"late-row": (0.25, 1), "r": (0.75, 2)}
+    assert [row.rollout.rollout_id for row in store.rollout_page(sort="reward").rows] == ["r", "late-row"]
+    store.close()
 
 
 def test_the_store_server_answers_the_same_page(tmp_path):

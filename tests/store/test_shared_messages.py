@@ -13,6 +13,7 @@ import openai
 import orjson
 
 import lightning_rl as lrl
+from lightning_rl.store.migrations import latest_version
 from lightning_rl import semconv
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import Span
@@ -147,12 +148,12 @@ def test_store_migrate_says_what_it_did_and_gives_the_freed_space_back(tmp_path,
     with caplog.at_level("WARNING", logger="lightning_rl"):
         done = CliRunner().invoke(main, ["store", "migrate", "--store", str(path), "--vacuum"])
     assert done.exit_code == 0, done.output
-    assert "upgraded from schema 9 to 10" in done.output
+    assert f"upgraded from schema 9 to {latest_version()}" in done.output
     before, after = (int(x.replace(",", "")) for x in done.output.split("vacuumed, ")[1].split(" bytes")[0].split(" -> "))
     assert after < before and path.stat().st_size == after
-    assert any("upgraded the store" in r.getMessage() and "from schema 9 to 10" in r.getMessage() for r in caplog.records)
+    assert any("upgraded the store" in r.getMessage() and f"from schema 9 to {latest_version()}" in r.getMessage() for r in caplog.records)
     again = CliRunner().invoke(main, ["store", "migrate", "--store", str(path)])
-    assert again.exit_code == 0 and "schema 10, up to date" in again.output
+    assert again.exit_code == 0 and f"schema {latest_version()}, up to date" in again.output
     with SQLiteStore(path) as store:
         assert len(lrl.trajectory(store, "old").llm_calls) == 24
 
