@@ -28,6 +28,10 @@ from .tokens import PrefixSharer
 from .writer import BackgroundWriter
 
 
+#: Ops an ingest (``add_spans``) hands the writer at once: one batch, one transaction, not a span at a time.
+INGEST_CHUNK = 1000
+
+
 class DurableWrites:
     def __init__(self, *, where: str, doctor: str, folder: Path,
                  apply: Callable[[list[Op], PrefixSharer], Iterable[str]], keep_aside: Callable[[Quarantine], bool],

@@ -48,7 +48,7 @@ from ..records import (
 from ..settings import ENV_SPILL_DIR, Settings
 from . import checks, task_queue
 from . import postgres_sql as sql
-from .durable import DurableWrites
+from .durable import INGEST_CHUNK, DurableWrites
 from .lifecycle import track
 from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
 from .postgres_schema import LOCK_GROUPS, check_version, latest_version, migrate
@@ -234,8 +234,10 @@ class PostgresStore:
     def add_spans(self, spans: list[Span]) -> None:
         """Ingest spans recorded elsewhere (batched, idempotent by (rollout_id, seq)); in the database on
         return (or, while it cannot be reached, in the spill file: StoreError)."""
-        for span in spans:
-            self._put(EncodedSpan(span_record_values(span)), "add_spans")
+        if self._durable is None:
+            raise checks.read_only("add_spans", self.shown)
+        for start in range(0, len(spans), INGEST_CHUNK):  # whole batches for the writer, back-pressure between
+            self._durable.writer.put_many([EncodedSpan(span_record_values(s)) for s in spans[start:start + INGEST_CHUNK]])
         if not self._durable.writer.flush_applied(Settings.from_env().flush_timeout):
             raise StoreError(f"{len(spans)} spans are not in {self.shown} yet (kept in its spill file, written back "
                              "when it can be reached)")

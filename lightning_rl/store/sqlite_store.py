@@ -48,7 +48,7 @@ from ..settings import Settings, check_synchronous
 from . import checks, task_queue
 from . import sqlite_reads as sql
 from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
-from .durable import DurableWrites
+from .durable import INGEST_CHUNK, DurableWrites
 from .lifecycle import track
 from .migrations import latest_version, migrate
 from .ops import (
@@ -174,8 +174,9 @@ class SQLiteStore:
     # -- ingest ----------------------------------------------------------------------------------------
     def add_spans(self, spans: list[Span]) -> None:
         """Ingest spans recorded elsewhere (batched, idempotent by (rollout_id, seq)); durable on return."""
-        for span in spans:
-            self._put(EncodedSpan(span_record_values(span)), "add_spans")
+        self._writable("add_spans")
+        for start in range(0, len(spans), INGEST_CHUNK):  # whole batches for the writer, back-pressure between
+            self._writer.put_many([EncodedSpan(span_record_values(s)) for s in spans[start:start + INGEST_CHUNK]])
         if not self.flush(Settings.from_env().flush_timeout):
             raise StoreError(f"the spans are queued but were not confirmed on disk in {self.path!r} in time")
 

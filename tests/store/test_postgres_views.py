@@ -68,17 +68,21 @@ def test_view_over_postgresql_lists_rollouts_and_shows_a_rollout_and_a_group(pg_
                 pass
             assert viewer.poll() is None and time.monotonic() < deadline, viewer.stderr.read() if viewer.poll() else ""
             time.sleep(0.1)
-        listing = httpx.get(url + "/").text
+        # generous timeouts: the group page's first request imports torch (the advantage estimator), slow on a
+        # busy machine
+        http = httpx.Client(base_url=url, timeout=60)
+        listing = http.get("/").text
         assert listing.count("data-rollout=") == 5 and "broken" in listing
-        failed = httpx.get(url + "/", params={"status": "failed"}).text
+        failed = http.get("/", params={"status": "failed"}).text
         assert failed.count("data-rollout=") == 1
-        page = httpx.get(url + "/rollouts/try0")
+        page = http.get("/rollouts/try0")
         assert page.status_code == 200 and "answer 0" in page.text and "turn 1" in page.text
         assert "prompt (23 tokens; the first 22 are call 0" in page.text  # the shared prefix, read back from PostgreSQL
-        group = httpx.get(url + "/groups/g-sum").text
+        group = http.get("/groups/g-sum").text
         # GRPO over rewards 1, 0, 1, 0: mean 0.5, std 0.577 (unbiased) -> +-0.866
         assert group.count("class='num advantage'>0.866<") == 2 and group.count("class='num advantage'>-0.866<") == 2
-        assert httpx.get(url + "/rollouts/nope").status_code == 404
+        assert http.get("/rollouts/nope").status_code == 404
+        http.close()
     finally:
         viewer.terminate()
         viewer.wait(30)
