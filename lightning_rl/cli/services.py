@@ -91,9 +91,10 @@ def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
         quarantine = opened.quarantined(limit=limit)
         total = len(opened.quarantined(limit=2**62)) if len(quarantine) >= limit else len(quarantine)
         spills = [str(p) for p in getattr(opened, "spill_files", [])]
+        rejected = [str(p) for p in getattr(opened, "rejected_files", [])]  # a store server's client only
         report = {"store": shown_url(opened), "quarantined": total, "spill_files": len(spills),
                   "quarantine": [q.model_dump(mode="json", exclude={"schema_version"}) for q in quarantine],
-                  "spill": spills, "counters": diagnostics.counters()}
+                  "spill": spills, "rejected_files": rejected, "counters": diagnostics.counters()}
     finally:
         opened.close()
     if as_json:
@@ -110,7 +111,10 @@ def store_doctor(store: str | None, limit: int, as_json: bool) -> None:
         if spills:
             click.echo(f"{len(spills)} spill file(s) not yet written back (the next process that opens the store "
                        f"for writing replays them): {', '.join(spills[:5])}")
-    if total or spills:
+        if rejected:
+            click.echo(f"{len(rejected)} file(s) of records the store server refused (kept, never replayed; the "
+                       f"first line of each says why): {', '.join(rejected[:5])}")
+    if total or spills or rejected:
         sys.exit(1)
 
 

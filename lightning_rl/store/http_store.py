@@ -80,7 +80,7 @@ from .http_writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _Unreacha
 from .lifecycle import track
 from .ops import EncodedSpan, FinishRollout, Op, StartRollout, TracedSpan, WriteReward
 from .rows import span_record_values
-from .spill import SpillFiles
+from .spill import SpillFiles, rejected_files_in, spill_files_in
 from .writer import BackgroundWriter
 
 
@@ -213,8 +213,13 @@ class HttpStore:
         """Spill files waiting to be sent (read-only: every one in the folder, whoever owns it)."""
         if self.read_only:
             folder = self._sender.spill.folder
-            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+            return spill_files_in(folder)
         return list(self._sender.spill.files)
+
+    @property
+    def rejected_files(self) -> list[Path]:
+        """Records a server refused (4xx) or JSON could not hold, kept with the reason; never replayed."""
+        return rejected_files_in(self._sender.spill.folder)
 
     # -- ingest ------------------------------------------------------------------------------------
     def write_batch(self, ops: list[Op]) -> None:

@@ -49,6 +49,7 @@ from ..settings import ENV_SPILL_DIR, Settings
 from . import checks, task_queue
 from . import postgres_sql as sql
 from .durable import INGEST_CHUNK, DurableWrites
+from .spill import spill_files_in
 from .lifecycle import track
 from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
 from .postgres_schema import LOCK_GROUPS, check_version, latest_version, migrate
@@ -257,7 +258,7 @@ class PostgresStore:
         """Spill files waiting to be written back (read-only: every one in the folder, whoever owns it)."""
         if self._durable is None:
             folder = _spill_folder(self.url, self.schema)
-            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+            return spill_files_in(folder)
         return list(self._durable.spills.files)
 
     @property

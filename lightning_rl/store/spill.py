@@ -9,6 +9,7 @@ the files of processes that are gone are adopted by the next process that opens 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+#: A spill file's name: when it was written (ns), the process that owns it, and whether it was adopted.
+_SPILL_NAME = re.compile(r"(\d{20})-(\d+)(-adopted)?\.jsonl")
+
+
+def spill_files_in(folder: Path) -> list[Path]:
+    """The spill files waiting in ``folder`` (whoever owns them), oldest first; not the ``rejected-*`` files."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("*.jsonl") if _SPILL_NAME.fullmatch(p.name))
+
+
+def rejected_files_in(folder: Path) -> list[Path]:
+    """The ``rejected-*`` files in ``folder``: records a server refused, each file with the reason on its first line."""
+    return sorted(folder.glob("rejected-*.jsonl")) if folder.is_dir() else []
+
+
 class SpillFiles:
     """Ordered local backlog of records (one JSON line each), owned by one process."""
 
@@ -38,21 +55,17 @@ class SpillFiles:
 
     def adopt_orphans(self, *, own: bool = False) -> None:
         """Claim the spill files of processes that are gone (a rename, so only one process gets each);
-        with ``own``, also this process's files (nothing else in this process uses the folder)."""
-        if not self.folder.is_dir():
-            return
-        for path in sorted(self.folder.glob("*.jsonl")):
-            try:
-                pid = int(path.stem.split("-")[1])
-            except (IndexError, ValueError):
-                continue
-            if pid == os.getpid():
+        with ``own``, also this process's files (nothing else in this process uses the folder). A
+        ``rejected-*`` file (records a server refused, kept with the reason) is never adopted or replayed."""
+        for path in spill_files_in(self.folder):
+            created, pid = _SPILL_NAME.fullmatch(path.name).group(1, 2)
+            if int(pid) == os.getpid():
                 if own and path not in self.files:
                     self.files.append(path)
                 continue
-            if _pid_alive(pid):
+            if _pid_alive(int(pid)):
                 continue
-            claimed = path.with_name(f"{path.stem.split('-')[0]}-{os.getpid()}-adopted.jsonl")
+            claimed = path.with_name(f"{created}-{os.getpid()}-adopted.jsonl")
             try:
                 os.rename(path, claimed)
             except OSError:

@@ -63,7 +63,7 @@ from .ops import (
 )
 from .quarantine import insert_quarantine, is_record_error, read_quarantine
 from .rows import span_record_values
-from .spill import SpillFiles, forget_claims
+from .spill import SpillFiles, forget_claims, spill_files_in
 from .sqlite_writes import QueueView, apply_ops, insert_policy
 from .tokens import PrefixSharer
 
@@ -195,7 +195,7 @@ class SQLiteStore:
         """Spill files waiting to be written back (read-only: every one in the folder, whoever owns it)."""
         if self.read_only:
             folder = self._spills.folder
-            return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+            return spill_files_in(folder)
         return list(self._spills.files)
 
     @property

@@ -301,6 +301,42 @@ def test_refused_records_are_kept_aside_not_dropped(server, tmp_path):
     client.close()
 
 
+def test_refused_records_are_never_taken_for_a_dead_process_spill(server, tmp_path):
+    """A user trial's blocker: records refused for a wrong token went to rejected-* files; the next process on
+    the same spill folder adopted those as a dead process's spill (the name's timestamp read as a pid),
+    renamed them all to one name (all but one lost), replayed them (refused again), and then held every record
+    of its own behind that backlog: a healthy server got nothing."""
+    spill = tmp_path / "spill"
+    code = f"""
+import lightning_rl as lrl, os, time
+from lightning_rl.records import Rollout
+from lightning_rl.store.http_store import HttpStore
+client = HttpStore({server.url!r}, token="WRONG", spill_dir={str(spill)!r}, retry_for=1)
+for i in range(3):
+    client.start_rollout(Rollout(rollout_id=f"refused-{{i}}"))
+    client.flush()
+    time.sleep(0.01)
+client.close()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    rejected = sorted(spill.glob("rejected-*.jsonl"))
+    assert len(rejected) == 3 and "token" in orjson.loads(rejected[0].read_bytes().splitlines()[0])["reason"]
+    client = HttpStore(server.url, token=TOKEN, spill_dir=spill, retry_for=2)
+    assert client.spill_files == [] and client.rejected_files == rejected  # kept as they were, not adopted
+    client.start_rollout(Rollout(rollout_id="mine"))
+    assert client.flush(10) and client.spill_files == []
+    assert [r.rollout_id for r in server.store.rollouts()] == ["mine"]  # delivered at once
+    assert sorted(spill.glob("rejected-*.jsonl")) == rejected  # every refused record still kept, with its reason
+    client.close()
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+
+    doctor = CliRunner().invoke(main, ["store", "doctor", "--store", server.url],
+                                env={"LIGHTNING_RL_STORE_TOKEN": TOKEN, "LIGHTNING_RL_SPILL_DIR": str(spill)})
+    assert doctor.exit_code == 1 and "3 file(s) of records the store server refused" in doctor.output
+
+
 def test_spill_files_of_a_dead_process_are_adopted_and_replayed(server, tmp_path):
     spill = tmp_path / "spill"
     code = f"""
