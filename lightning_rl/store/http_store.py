@@ -76,7 +76,7 @@ from ..records import (
 )
 from ..settings import ENV_SPILL_DIR, ENV_STORE_TOKEN, Settings
 from . import checks, scan, wire
-from .http_writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _Unreachable, server_urls
+from .http_writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _NoStoreServer, _Unreachable, server_urls
 from .lifecycle import track
 from .ops import EncodedSpan, FinishRollout, Op, StartRollout, TracedSpan, WriteReward
 from .rows import span_record_values
@@ -247,6 +247,9 @@ class HttpStore:
         while True:
             try:
                 resp = self._servers.send(method, path, content=body, params=params)
+            except _NoStoreServer as exc:  # a wrong URL does not become a store server by waiting
+                raise ConfigurationError(f"{exc}; give the URL of `lightning-rl store serve` (http://HOST:PORT, "
+                                         "no path), e.g. --store http://127.0.0.1:8765") from None
             except _Unreachable as exc:
                 problem = str(exc)
             else:
@@ -256,9 +259,10 @@ class HttpStore:
                     return None
                 _raise_for(resp, self._servers.current)
             if time.monotonic() >= deadline:
-                which = "store server" if len(self._servers.urls) == 1 else "none of the store servers"
-                raise StoreError(f"{which} {self.url} answered {method} {path} for {self._retry_for:.0f} s "
-                                 f"({problem[:1000]}); is `lightning-rl store serve` running there?")
+                which = (f"the store server {self.url} did not answer" if len(self._servers.urls) == 1 else
+                         f"none of the store servers {self.url} answered")
+                raise StoreError(f"{which} {method} {path} in {self._retry_for:.0f} s of trying ({problem[:1000]}); "
+                                 "is `lightning-rl store serve` running there?")
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

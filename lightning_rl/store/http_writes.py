@@ -36,9 +36,26 @@ class _Unreachable(Exception):
     """No server answered (connection refused or reset, timeout, 5xx, 408, 429): spill and retry later."""
 
 
+class _NoStoreServer(_Unreachable):
+    """Every URL answered, and none as a store server does (a 404 or 405 without a store server's error body:
+    the URL is the viewer's, an engine's, anything else's). Writes are kept (spilled) all the same."""
+
+
 def is_outage(status: int) -> bool:
     """An answer that says the server, not the request, is the problem: try another, or later."""
     return status >= 500 or status in (408, 429)
+
+
+def is_foreign(resp: httpx.Response) -> bool:
+    """An answer no store server gives: a 404 or 405 whose body is not a store server's error
+    (``{"error": ...}``), so the URL is not ``lightning-rl store serve`` (or not its address: no ``/v1``)."""
+    if resp.status_code not in (404, 405):
+        return False
+    try:
+        body = orjson.loads(resp.content)
+    except orjson.JSONDecodeError:
+        return True
+    return not (isinstance(body, dict) and "error" in body)
 
 
 class ServerList:
@@ -71,6 +88,7 @@ class ServerList:
         :class:`_Unreachable` naming each server's problem when none gave one."""
         start = self._current
         problems = []
+        foreign = 0
         extra = {} if timeout is None else {"timeout": timeout}
         for step in range(len(self.urls)):
             index = (start + step) % len(self.urls)
@@ -82,10 +100,15 @@ class ServerList:
             if is_outage(resp.status_code):
                 problems.append(f"{self.urls[index]}: HTTP {resp.status_code}: {resp.text[:200]}")
                 continue
+            if is_foreign(resp):
+                foreign += 1
+                problems.append(f"{self.urls[index]} is not a lightning-rl store server (HTTP {resp.status_code} on "
+                                f"{wire.API_PREFIX}{path}: {resp.text[:100]})")
+                continue
             if index != start:
                 self._moved(start, index, problems)
             return resp
-        raise _Unreachable("; ".join(problems))
+        raise (_NoStoreServer if foreign == len(self.urls) else _Unreachable)("; ".join(problems))
 
     def _moved(self, start: int, index: int, problems: list[str]) -> None:
         with self._lock:

@@ -178,6 +178,27 @@ def test_a_server_answering_5xx_is_passed_over(pg_url, tmp_path):
         balancer.stop()
 
 
+def test_a_url_that_is_not_a_store_server_is_passed_over_and_named(tmp_path):
+    """A user trial: the viewer's port first in the list gave `Error: ` on reads (any 404 read as 'no such
+    rollout') and sent every write to rejected-* files, never trying the second, good URL."""
+    from lightning_rl.viewer import BackgroundViewer
+
+    with BackgroundViewer(lrl.InMemoryStore()) as viewer, BackgroundServer(tmp_path / "s.db") as server:
+        client = HttpStore([viewer.url, server.url], spill_dir=tmp_path / "spill", retry_for=5)
+        _write_rollout(client, "r1")
+        assert client.flush(10) and client.spill_files == [] and client.rejected_files == []
+        assert client.get_rollout("r1").status == RolloutStatus.SUCCEEDED and client.servers[0] == server.url
+        client.close()
+        alone = HttpStore(viewer.url, spill_dir=tmp_path / "spill2", retry_for=5)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigurationError, match=f"{viewer.url} is not a lightning-rl store server.*store serve"):
+            alone.rollouts()
+        assert time.monotonic() - t0 < 2  # said at once: waiting does not make it a store server
+        alone.start_rollout(rollout("kept"))
+        assert alone.flush(10) and alone.spill_files and alone.rejected_files == []  # kept for a right URL
+        alone.close()
+
+
 def test_when_no_server_answers_the_client_spills_then_replays_to_whichever_returns(pg_url, tmp_path):
     one, two = _free_port(), _free_port()  # nothing listens there (yet)
     client = HttpStore([f"http://127.0.0.1:{one}", f"http://127.0.0.1:{two}"], spill_dir=tmp_path / "spill",
