@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,13 +156,32 @@ class ServerThread:
 
 
 
+def check_port(service: Service, host: str, port: int) -> None:
+    """The address is free to listen on; else a :class:`ConfigurationError` saying so (not uvicorn's log line
+    after the service said it was serving)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise ConfigurationError(f"{service.name} cannot listen on {host}:{port} ({exc.strerror or exc}); another "
+                                     "process may be serving there: stop it, or pick another --port") from None
+
+
 def run(service: Service, app: Any, *, host: str, port: int, token: str | None, log_level: str = "warning",
-        **uvicorn_kwargs: Any) -> None:
+        announce: Callable[[], None] | None = None, **uvicorn_kwargs: Any) -> None:
     """Serve ``app`` (or, with uvicorn's ``factory=True``, the import string of a factory) in this process
-    until interrupted, after :func:`check_bind`."""
+    until interrupted, after :func:`check_bind` and :func:`check_port`; ``announce()`` (the CLI's "serving ...
+    on ...") is called once those hold, just before the server starts."""
     import uvicorn
 
     check_bind(service, host, token)
+    check_port(service, host, port)
+    if announce is not None:
+        announce()
     uvicorn.run(app, host=host, port=port, log_level=log_level, **{**uvicorn_options(), **uvicorn_kwargs})
 
 

@@ -56,20 +56,18 @@ def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: f
     if kind == "postgres" and synchronous is not None:
         raise click.ClickException("--synchronous is SQLite's; a PostgreSQL store is as durable as the database "
                                    "makes it (its synchronous_commit setting): leave --synchronous out")
-    click.echo(f"serving {shown_url(db)} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True)
     serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
-          workers=workers, synchronous=synchronous)
+          workers=workers, synchronous=synchronous, announce=lambda: click.echo(
+              f"serving {shown_url(db)} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True))
 
 
 def shown_url(store: object) -> str:
-    """A store (or its URL) as messages show it: a PostgreSQL URL without its password."""
-    if isinstance(store, str):
-        if not store.startswith(("postgresql://", "postgres://")):
-            return store
-        from ..store.postgres_store import parse_url
+    """A store (or its URL) as messages show it: no password."""
+    from ..store.uri import redacted
 
-        return parse_url(store)[2]
-    return getattr(store, "shown", None) or store.url  # type: ignore[attr-defined]
+    if isinstance(store, str):
+        return redacted(store)
+    return getattr(store, "shown", None) or redacted(store.url)  # type: ignore[attr-defined]
 
 
 @store_group.command("doctor")
@@ -210,8 +208,8 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
     check_bind(GATEWAY, host, token)
     proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
     _api.configure(store=open_store(store))
-    click.echo(f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True)
-    serve(proxy, host=host, port=port, log_level=log_level)
+    serve(proxy, host=host, port=port, log_level=log_level, announce=lambda: click.echo(
+        f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True))
 
 
 @click.command("view")
@@ -236,8 +234,8 @@ def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host
 
     check_bind(VIEWER, host, token)
     opened = open_store(store, read_only=True)  # the viewer never writes: no migration, no spill replay
-    click.echo(f"viewer on http://{host}:{port} over {shown_url(opened)} (read-only)", err=True)
-    serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token)
+    serve(opened, host=host, port=port, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token,
+          announce=lambda: click.echo(f"viewer on http://{host}:{port} over {shown_url(opened)} (read-only)", err=True))
 
 
 @click.command("runner")

@@ -314,10 +314,11 @@ class BackgroundGateway(BackgroundService):
         super().__init__(GATEWAY, create_app(self.gateway), host=host, port=port, token=token)
 
 
-def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_level: str = "warning") -> None:
+def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_level: str = "warning",
+          announce: Callable[[], None] | None = None) -> None:
     """Run the gateway until interrupted (one process: its open rollouts live in memory)."""
     run(GATEWAY, create_app(gateway), host=host, port=port, token=gateway.token, log_level=log_level,
-        timeout_graceful_shutdown=10)
+        announce=announce, timeout_graceful_shutdown=10)
 
 
 __all__ = ["AGENT_HEADER", "BackgroundGateway", "create_app", "serve"]

@@ -19,6 +19,7 @@ from ..boundaries import safe_text
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
 from . import wire
+from .uri import redacted
 from .ops import Op
 from .spill import SpillFiles
 
@@ -131,13 +132,13 @@ def server_urls(url: str | list[str] | tuple[str, ...]) -> list[str]:
     for part in url.split(",") if isinstance(url, str) else url:
         parts = urlsplit(part.strip()) if isinstance(part, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigurationError(f"store server URL {part!r:.200} is not an http(s)://HOST:PORT URL of `lightning-rl "
+            raise ConfigurationError(f"store server URL {redacted(str(part))!r:.200} is not an http(s)://HOST:PORT URL of `lightning-rl "
                                      "store serve` (several: comma-separated, http://a:8765,http://b:8765)")
         clean = part.strip().rstrip("/")
         if clean not in urls:
             urls.append(clean)
     if not urls:
-        raise ConfigurationError(f"no store server URL in {url!r:.200}; give http://HOST:PORT")
+        raise ConfigurationError(f"no store server URL in {redacted(str(url))!r:.200}; give http://HOST:PORT")
     return urls
 
 

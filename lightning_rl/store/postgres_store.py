@@ -54,6 +54,7 @@ from .lifecycle import track
 from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
 from .postgres_schema import LOCK_GROUPS, check_version, latest_version, migrate
 from .rows import span_record_values
+from .uri import redacted
 
 T = TypeVar("T")
 DEFAULT_SCHEMA = "lightning_rl"
@@ -76,12 +77,18 @@ def parse_url(url: str) -> tuple[str, str, str]:
     tables (``?schema=NAME``), and the URL as messages show it (no password)."""
     parts = urlsplit(url)
     if parts.scheme not in ("postgresql", "postgres") or not parts.path.strip("/"):
-        raise ConfigurationError(f"store URL {url!r:.200} is not postgresql://USER@HOST:PORT/DATABASE")
+        raise ConfigurationError(f"store URL {redacted(url)!r:.200} is not postgresql://USER@HOST:PORT/DATABASE")
+    try:
+        parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"store URL {redacted(url)!r:.200}: {exc}; write postgresql://USER@HOST:5432/DATABASE") \
+            from None
     query = parse_qsl(parts.query, keep_blank_values=True)
     schema = next((v for k, v in query if k == "schema"), DEFAULT_SCHEMA)
     if not _SCHEMA_NAME.fullmatch(schema):
         raise ConfigurationError(f"schema={schema!r:.80} in the store URL is not a PostgreSQL name of lowercase letters, "
-                                 "digits and underscores (starting with a letter or _); e.g. ?schema=lightning_rl")
+                                 "digits and underscores, at most 63, starting with a letter or _; e.g. "
+                                 "?schema=lightning_rl")
     rest = urlencode([(k, v) for k, v in query if k != "schema"])
     conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, rest, ""))
     host = parts.hostname or "localhost"
@@ -120,6 +127,16 @@ class PostgresStore:
         self.url = url
         self._conninfo, self.schema, self.shown = parse_url(url)
         self._psycopg, self._pool_module = _psycopg()
+        try:  # libpq's own check of the URL's parameters, before anything connects
+            given = self._psycopg.conninfo.conninfo_to_dict(self._conninfo)
+        except self._psycopg.ProgrammingError as exc:
+            raise ConfigurationError(f"store URL {self.shown}: {str(exc).strip()[:200]}; libpq's URL parameters are "
+                                     "listed at https://www.postgresql.org/docs/current/libpq-connect.html") from None
+        #: What the connections are given besides the URL: the schema, and a name a DBA can see them by.
+        self._options = {"options": f"-c search_path={self.schema}" + (
+            " -c default_transaction_read_only=on" if read_only else ""), "connect_timeout": 10}
+        if "application_name" not in given:
+            self._options["application_name"] = "lightning-rl"
         self.read_only = read_only
         self._retry_for = retry_for
         self._pool_size = pool_size
@@ -131,11 +148,13 @@ class PostgresStore:
         track(self)
 
     def _connect(self, *, autocommit: bool = True) -> Any:
-        options = f"-c search_path={self.schema}" + (" -c default_transaction_read_only=on" if self.read_only else "")
         try:
-            return self._psycopg.connect(self._conninfo, autocommit=autocommit, options=options, connect_timeout=10)
+            return self._psycopg.connect(self._conninfo, autocommit=autocommit, **self._options)
         except self._psycopg.OperationalError as exc:
-            raise StoreError(f"cannot connect to the store {self.shown}: {str(exc).strip()[:300]}") from None
+            problem = str(exc).strip()[:300]
+            fix = ("; give the password in PGPASSWORD or ~/.pgpass (or in the URL)"
+                   if "password" in problem.lower() else "")
+            raise StoreError(f"cannot connect to the store {self.shown}: {problem}{fix}") from None
 
     def _open(self) -> None:
         conn = self._connect()
@@ -151,10 +170,9 @@ class PostgresStore:
                 self.schema_found = migrate(conn, self.schema, self.shown)
         finally:
             conn.close()
-        options = f"-c search_path={self.schema}" + (" -c default_transaction_read_only=on" if self.read_only else "")
         self._pool = self._pool_module.ConnectionPool(
             self._conninfo, min_size=1, max_size=self._pool_size, open=True, timeout=self._retry_for,
-            kwargs={"autocommit": True, "options": options}, name=f"lightning-rl:{self.shown}")
+            kwargs={"autocommit": True, **self._options}, name=f"lightning-rl:{self.shown}")
         self._wconn: Any = None
         self._durable: DurableWrites | None = None
         if not self.read_only:

@@ -22,12 +22,17 @@ durable: concurrent batches share the store's background writer, so they are com
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hmac
 import json
+import multiprocessing
 import os
+import signal
+import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
@@ -431,8 +436,23 @@ def served_store(db: str | os.PathLike[str], *, synchronous: str | None = None, 
     return SQLiteStore(where, **options)
 
 
+def _die_with_the_supervisor() -> None:
+    """A worker of a multi-process server ends when its supervisor does, even one killed with SIGKILL (Linux's
+    ``PR_SET_PDEATHSIG``): a killed server must not leave workers answering on its port."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the supervisor is gone already
+        os._exit(1)
+
+
 def _worker_app() -> Any:
     """One worker process's app (uvicorn imports this factory in every worker)."""
+    if multiprocessing.parent_process() is not None:  # a worker of several (not the one process of workers=1)
+        _die_with_the_supervisor()
     args = json.loads(os.environ[ENV_SERVER_WORKER])
     _tune_gc()
     store = served_store(args["db"], synchronous=args.get("synchronous"))
@@ -449,7 +469,7 @@ def _tune_gc() -> None:
 
 def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 2,
-          synchronous: str | None = None) -> None:
+          synchronous: str | None = None, announce: Callable[[], None] | None = None) -> None:
     """Run the server until interrupted (SIGINT/SIGTERM); the store is flushed and closed on the way out.
 
     ``db``: a SQLite file, or ``postgresql://user@host:port/db[?schema=NAME]``. ``workers`` > 1 runs that
@@ -472,7 +492,7 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
     os.environ[ENV_SERVER_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
                                                 "synchronous": synchronous})
     run(STORE_SERVER, f"{__name__}:_worker_app", host=host, port=port, token=token, log_level=log_level,
-        factory=True, workers=workers, timeout_graceful_shutdown=10)
+        announce=announce, factory=True, workers=workers, timeout_graceful_shutdown=10)
 
 
 class BackgroundServer(BackgroundService):

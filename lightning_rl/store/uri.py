@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from ..errors import ConfigurationError
 from .protocols import Store
@@ -10,6 +11,15 @@ from .protocols import Store
 SCHEMES = ("sqlite:///PATH", "a plain file path", "memory://",
            "http(s)://HOST:PORT (lightning-rl store serve; several, comma-separated, to fail over)",
            "postgresql://USER@HOST:PORT/DATABASE")
+
+
+_CREDENTIALS = re.compile(r"(:/{1,2}[^/@\s:,]*):[^/@\s,]*@")
+_ONE_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def redacted(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***`` (what messages and listings show)."""
+    return _CREDENTIALS.sub(r"\1:***@", text)
 
 
 def parse_store_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
@@ -20,13 +30,14 @@ def parse_store_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
 
         url = Settings.from_env().store
     url = os.fspath(url)
-    if url.startswith("memory://"):
+    lower = url[:16].lower()
+    if lower.startswith("memory://"):
         return "memory", ""
-    if url.startswith(("http://", "https://")):
+    if lower.startswith(("http://", "https://")):
         return "http", ",".join(part.strip().rstrip("/") for part in url.split(","))
-    if url.startswith(("postgresql://", "postgres://")):
+    if lower.startswith(("postgresql://", "postgres://")):
         return "postgres", url
-    if url.startswith("sqlite://"):
+    if lower.startswith("sqlite://"):
         path = url[len("sqlite://"):]
         if not path.startswith("/") or path == "/":
             raise ConfigurationError(f"store URL {url!r} has no path; write sqlite:///runs.db (three slashes)")
@@ -34,8 +45,12 @@ def parse_store_url(url: str | os.PathLike[str] | None) -> tuple[str, str]:
     if "://" in url:
         scheme = url.split("://", 1)[0]
         raise ConfigurationError(
-            f"store URL scheme {scheme!r} in {url!r} is not supported; use one of: {', '.join(SCHEMES)}"
+            f"store URL scheme {scheme!r} in {redacted(url)!r} is not supported; use one of: {', '.join(SCHEMES)}"
         )
+    typo = _ONE_SLASH.match(url)
+    if typo:  # postgresql:/host/db would be a SQLite file of that name
+        raise ConfigurationError(f"store URL {redacted(url)!r} has one slash after {typo.group(1)}:; write "
+                                 f"{typo.group(1)}://...")
     return "sqlite", url
 
 

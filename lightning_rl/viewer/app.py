@@ -292,10 +292,11 @@ def _grpo(rewards: Sequence[float | None]) -> list[float | None]:
 
 
 def serve(store: Any, *, host: str = "127.0.0.1", port: int = 8500, metrics_dir: str | Path | None = None,
-          tokenizer: str | Path | None = None, token: str | None = None, log_level: str = "warning") -> None:
+          tokenizer: str | Path | None = None, token: str | None = None, log_level: str = "warning",
+          announce: Callable[[], None] | None = None) -> None:
     check_bind(VIEWER, host, token)  # before the app is built
     run(VIEWER, create_app(store, metrics_dir=metrics_dir, tokenizer=tokenizer, token=token), host=host, port=port,
-        token=token, log_level=log_level)
+        token=token, log_level=log_level, announce=announce)
 
 
 class BackgroundViewer(BackgroundService):

@@ -170,3 +170,45 @@ def test_the_gateway_given_two_servers_records_through_the_one_alive(pg_url, tmp
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(30)
         engine.stop()
+
+
+def test_a_server_killed_with_sigkill_takes_its_workers_with_it(pg_url, tmp_path):
+    """A user trial: `kill -9 <store serve pid>` (what docs/fleet.md says) left its two workers answering on
+    the port for minutes, holding database connections, so clients never failed over."""
+    env = dict(os.environ, LIGHTNING_RL_SPILL_DIR=str(tmp_path / "spill"))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db", pg_url, "--port",
+                             str(port), "--workers", "2"], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
+        time.sleep(0.1)
+    proc.kill()  # SIGKILL to the supervisor alone, not its process group
+    proc.wait(30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/v1/health", timeout=1)
+        except httpx.HTTPError:
+            break  # nothing answers on the port any more
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the killed server's workers still answer")
+
+
+def test_a_server_on_a_busy_port_says_so_before_it_says_it_is_serving(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db",
+                               str(tmp_path / "s.db"), "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and not done.stderr.startswith("serving")
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -135,3 +135,43 @@ def test_records_written_while_the_database_is_away_are_spilled_then_written_bac
         store.close()
     finally:
         cluster.destroy()
+
+
+@pytest.mark.parametrize("url, says", [
+    ("postgresql://lrl:s3cret@127.0.0.1:5432", "not postgresql://USER@HOST:PORT/DATABASE"),
+    ("postgresql://lrl:s3cret@127.0.0.1:99999/db", "Port out of range"),
+    ("postgresql://lrl:s3cret@127.0.0.1:notaport/db", "could not be cast"),
+    ("postgresql+psycopg://lrl:s3cret@127.0.0.1/db", "not supported"),
+    ("http://127.0.0.1:8765,postgresql://lrl:s3cret@127.0.0.1/db", "not an http(s)://HOST:PORT"),
+    ("postgresql:/lrl:s3cret@127.0.0.1/db", "one slash after postgresql:"),
+    ("postgresql://lrl:s3cret@127.0.0.1:1/db?shcema=x", "invalid URI query parameter"),
+])
+def test_a_mistaken_url_is_one_clear_error_that_never_shows_the_password(url, says, tmp_path, monkeypatch):
+    """A user trial's mistakes: each was a traceback, showed the password, or (one slash) made a SQLite file
+    named after the URL."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError) as info:
+        lrl.open_store(url).close()
+    assert says in str(info.value) and "s3cret" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_a_missing_password_says_where_to_give_it(pg_cluster):
+    """libpq's 'no password supplied' does not say where a password goes; the store's message does."""
+    cluster_url = pg_cluster.url()
+    with psycopg.connect(cluster_url, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS needs_password")
+        conn.execute("CREATE ROLE needs_password LOGIN PASSWORD 'pw'")
+    hba = pg_cluster.data / "pg_hba.conf"
+    before = hba.read_text()
+    try:
+        hba.write_text("host all needs_password 127.0.0.1/32 scram-sha-256\n" + before)
+        with psycopg.connect(cluster_url, autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
+        url = cluster_url.replace("postgres@", "needs_password@")
+        with pytest.raises(StoreError, match="PGPASSWORD or ~/.pgpass"):
+            PostgresStore(url)
+    finally:
+        hba.write_text(before)
+        with psycopg.connect(cluster_url, autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
