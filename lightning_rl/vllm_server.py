@@ -35,9 +35,10 @@ def candidate_pythons() -> list[tuple[Path, str]]:
     env = os.environ.get(ENV_VLLM_PYTHON)
     if env:
         found.append((Path(env), f"${ENV_VLLM_PYTHON}"))
-    for root, why in ((Path.cwd(), "the working directory's .venv-vllm"),
-                      (Path(__file__).resolve().parent.parent, "the checkout's .venv-vllm (make venv-vllm)")):
-        found.append((root / ".venv-vllm" / "bin" / "python", why))
+    found.append((Path.cwd() / ".venv-vllm" / "bin" / "python", "the working directory's .venv-vllm"))
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file():  # a source checkout (not an installed wheel's site-packages)
+        found.append((checkout / ".venv-vllm" / "bin" / "python", "the checkout's .venv-vllm (make venv-vllm)"))
     return found
 
 
