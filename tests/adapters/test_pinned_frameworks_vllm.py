@@ -3,8 +3,8 @@ openai < 3, so this file runs in their own environment (``.venv-frameworks``, bu
 test``); in the main one it is skipped.
 
 Tool use is forced: the framework's strict tool (vLLM constrains a named, strict tool call) whose argument
-has a pattern (so the constrained call always closes within ``max_tokens``), and a named ``tool_choice``
-sent in ``extra_body`` (neither framework lets an agent name its tool choice), so no test
+has a pattern, whitespace tokens banned (so the constrained call always closes within ``max_tokens``), and a
+named ``tool_choice`` sent in ``extra_body`` (neither framework lets an agent name its tool choice), so no test
 depends on what the tiny model says. What is asserted is what was recorded, whether the agent returned or
 raised (the forced tool never lets it finish)."""
 
@@ -20,13 +20,26 @@ from pydantic import Field
 import lightning_rl as lrl
 from lightning_rl import semconv
 
-from ..conftest import SERVED_NAME
+from ..conftest import MODEL_DIR, SERVED_NAME
 
 if importlib.util.find_spec("crewai") is None or importlib.util.find_spec("llama_index") is None:
     pytest.skip("CrewAI and LlamaIndex live in .venv-frameworks (make venv-frameworks; make test runs this file there)",
                 allow_module_level=True)  # before the vLLM server is started for nothing
 pytestmark = [pytest.mark.vllm]
-FORCE = {"tool_choice": {"type": "function", "function": {"name": "calculator"}}}
+
+
+def _whitespace_tokens() -> dict[str, int]:
+    """The tiny model's whitespace-only tokens, banned: vLLM's constraint of a named tool call lets whitespace
+    follow the argument's value, and the model can pad it until ``max_tokens`` and never close the call (seen
+    with CrewAI's lone-agent prompt); with none allowed, the only way on is the closing brace."""
+    path = MODEL_DIR / "tokenizer.json"
+    if not path.is_file():
+        return {}  # no model yet: the vLLM fixture builds it, and this module is imported before
+    vocab = json.loads(path.read_text())["model"]["vocab"]
+    return {str(i): -100 for token, i in vocab.items() if token and set(token) <= set("ĠĊĉč")}
+
+
+FORCE = {"tool_choice": {"type": "function", "function": {"name": "calculator"}}, "logit_bias": _whitespace_tokens()}
 PATTERN = "^[0-9]{1,3}[+][0-9]{1,3}$"  # a bounded argument: the constrained call always closes
 
 
