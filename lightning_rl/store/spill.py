@@ -29,15 +29,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-#: A spill file's name: when it was written (ns), the process that owns it, and whether it was adopted.
-_SPILL_NAME = re.compile(r"(\d{20})-(\d+)(-adopted)?\.jsonl")
+#: A spill file's name: when it was written (ns; this version pads it to 20 digits, a file named by hand or by
+#: another version may not), the process that owns it, and whether it was adopted.
+_SPILL_NAME = re.compile(r"(\d+)-(\d+)(-adopted)?\.jsonl")
 
 
 def spill_files_in(folder: Path) -> list[Path]:
     """The spill files waiting in ``folder`` (whoever owns them), oldest first; not the ``rejected-*`` files."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.glob("*.jsonl") if _SPILL_NAME.fullmatch(p.name))
+    found = [(int(m.group(1)), p) for p in folder.glob("*.jsonl") if (m := _SPILL_NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def rejected_files_in(folder: Path) -> list[Path]:
