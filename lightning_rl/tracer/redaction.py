@@ -55,7 +55,8 @@ _OURS = "lightning_rl."
 #: JSON text of messages (or instructions): walked, so roles, names and ids stay and the JSON stays JSON.
 MESSAGES = frozenset({semconv.GEN_AI_INPUT_MESSAGES, semconv.GEN_AI_OUTPUT_MESSAGES, "gen_ai.system_instructions"})
 #: Fields inside a message whose string values are names, ids or enums.
-MESSAGE_KEPT = frozenset({"role", "name", "type", "id", "tool_call_id", "finish_reason", "mime_type", "modality"})
+MESSAGE_KEPT = frozenset({"role", "name", "type", "id", "tool_call_id", "tool_use_id", "call_id", "finish_reason",
+                          "mime_type", "modality"})
 #: Token arrays as attributes (an agent's OTLP spans may carry them): dropped with the call's tokens.
 TOKEN_KEYS = frozenset({semconv.PROMPT_TOKEN_IDS, semconv.RESPONSE_TOKEN_IDS, semconv.RESPONSE_LOGPROBS})
 

@@ -208,3 +208,28 @@ def test_without_a_function_nothing_changes(redaction, sqlite_in):
     agent(SECRET)
     store.flush()
     assert files_holding(folder, SECRET) != []  # the check above can fail
+
+
+def test_messages_stay_json_with_roles_names_and_ids_and_every_text_redacted():
+    from lightning_rl.tracer.redaction import Pass
+
+    import orjson
+
+    openai_style = [{"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
+        "name": "lookup_card", "arguments": f'{{"card": "{SECRET}"}}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": f"card {SECRET}"},
+        {"role": "user", "content": [{"type": "text", "text": f"and {SECRET}?"}]}]
+    anthropic_style = [{"role": "assistant", "content": [{"type": "tool_use", "id": "tu-1", "name": "lookup_card",
+                                                          "input": {"card": SECRET}}]},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu-1", "content": SECRET}]}]
+    p = Pass(scrub)
+    out = orjson.loads(p.messages(orjson.dumps(openai_style).decode()))
+    assert out[0]["tool_calls"][0] == {"id": "call-1", "type": "function", "function": {
+        "name": "lookup_card", "arguments": '{"card": "[card]"}'}}
+    assert out[1] == {"role": "tool", "tool_call_id": "call-1", "content": "card [card]"}
+    assert out[2]["content"] == [{"type": "text", "text": "and [card]?"}]
+    out = orjson.loads(p.messages(orjson.dumps(anthropic_style).decode()))
+    assert out[0]["content"][0] == {"type": "tool_use", "id": "tu-1", "name": "lookup_card", "input": {"card": "[card]"}}
+    assert out[1]["content"][0] == {"type": "tool_result", "tool_use_id": "tu-1", "content": "[card]"}
+    assert p.changed and not p.failed
+    assert Pass(scrub).messages(f"not json {SECRET}") == "not json [card]"
