@@ -50,16 +50,17 @@ def configure(
     redaction changed: kept, they decode to the original text; dropped, the call is not trained on.
     """
     settings = tracing.settings
-    if redacted_tokens is not None:
-        settings.redacted_tokens = check_redacted_tokens(redacted_tokens)
+    # redaction first, checked whole before anything changes: a bad value leaves the set-up as it was
+    tokens = check_redacted_tokens(redacted_tokens) if redacted_tokens is not None else settings.redacted_tokens
     if isinstance(redact, str):
         redact = load_redactor(redact, what="redact")
-    if redact is not None:
-        if not callable(redact):
-            raise ConfigurationError(f"redact={redact!r} is not a function; give fn(text: str) -> str or "
-                                     "'module:function'")
+    if redact is not None and not callable(redact):
+        raise ConfigurationError(f"redact={redact!r} is not a function; give fn(text: str) -> str or 'module:function'")
+    if redact is None:
+        tracing.redaction(check=True)  # LIGHTNING_RL_REDACT: a bad module:function fails here, not at the first call
+    else:
         settings.redact = redact
-    tracing.redaction(check=True)  # LIGHTNING_RL_REDACT: a bad module:function fails here, not at the first call
+    settings.redacted_tokens = tokens
     if mode is not None:
         settings.mode = check_mode(mode)
     if capture_token_ids is not None:

@@ -155,6 +155,7 @@ class Tracing:
             max_span_attribute_length=SpanLimits.UNSET,
         )
         self._limits = limits
+        self._unloadable_spec: str | None = None
         self.processor = RolloutSpanProcessor(self.sink, self.redaction, self.keep_redacted_tokens)
         self._records = RecordTracer(self._write_span)
         self.remove_span_processors()
@@ -171,13 +172,17 @@ class Tracing:
         use: ``check=True`` (configure, a rollout's start, the gateway's) raises its ConfigurationError;
         elsewhere (a span ending) a function that cannot be loaded fails closed: every text is replaced."""
         fn = self.settings.redact
-        if fn is not None or self.settings.redact_spec is None:
+        spec = self.settings.redact_spec
+        if fn is not None or spec is None:
             return fn
+        if not check and spec == self._unloadable_spec:  # tried: no import per span
+            return _unloadable
         try:
-            fn = self.settings.redact = load_redactor(self.settings.redact_spec)
+            fn = self.settings.redact = load_redactor(spec)
         except ConfigurationError as exc:
             if check:
                 raise
+            self._unloadable_spec = spec
             report_failure("loading the redaction function", message=f"lightning-rl: {exc}; until it loads, every "
                            f"text is recorded as {FAILED!r} (logged once)")
             return _unloadable
