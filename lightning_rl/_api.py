@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import SpanProcessor
 
 from . import diagnostics
-from .settings import check_mode
+from .errors import ConfigurationError
+from .settings import check_mode, check_redacted_tokens, load_redactor
 from .store import Store
 from .store import open_store as _open_store
 from .store.uri import same_store
@@ -33,6 +34,8 @@ def configure(
     capture_token_ids: bool | None = None,
     capture_logprobs: bool | None = None,
     span_processors: Sequence[SpanProcessor] = (),
+    redact: Callable[[str], str] | str | None = None,
+    redacted_tokens: str | None = None,
 ) -> Store | SpanSink:
     """Set where rollouts go and how they are captured; returns the store in use.
 
@@ -40,8 +43,24 @@ def configure(
     A URL naming the store already in use keeps it: calling ``configure`` again (a verl agent loop per
     sample, a runner per task) opens nothing new.
     ``span_processors``: the user's own OTel processors (e.g. an exporter) that also get our spans.
+    ``redact``: ``fn(text) -> text`` (or its ``"module:function"``) applied to every text recorded (task,
+    messages, tool arguments and results, errors) before anything gets it: the store, a spill file, the
+    user's span processors; names and ids stay (``docs/privacy.md``; default: ``LIGHTNING_RL_REDACT``).
+    ``redacted_tokens``: ``"drop"`` (default) or ``"keep"`` the token ids of an LLM call whose text
+    redaction changed: kept, they decode to the original text; dropped, the call is not trained on.
     """
     settings = tracing.settings
+    # redaction first, checked whole before anything changes: a bad value leaves the set-up as it was
+    tokens = check_redacted_tokens(redacted_tokens) if redacted_tokens is not None else settings.redacted_tokens
+    if isinstance(redact, str):
+        redact = load_redactor(redact, what="redact")
+    if redact is not None and not callable(redact):
+        raise ConfigurationError(f"redact={redact!r} is not a function; give fn(text: str) -> str or 'module:function'")
+    if redact is None:
+        tracing.redaction(check=True)  # LIGHTNING_RL_REDACT: a bad module:function fails here, not at the first call
+    else:
+        settings.redact = redact
+    settings.redacted_tokens = tokens
     if mode is not None:
         settings.mode = check_mode(mode)
     if capture_token_ids is not None:

@@ -31,6 +31,12 @@ variable                           meaning                                      
 ``LIGHTNING_RL_SQLITE_SYNCHRONOUS`` ``normal``: a committed rollout survives the process being  ``normal``
                                    killed, not a power loss or OS crash; ``full``: it survives
                                    those too (an fsync per commit)
+``LIGHTNING_RL_REDACT``            ``module:function`` applied to every text lightning-rl       none (nothing is
+                                   stores, before it is stored (``docs/privacy.md``); a bad    redacted)
+                                   value fails at ``configure``/start-up
+``LIGHTNING_RL_REDACTED_TOKENS``   token ids of an LLM call whose text redaction changed:      ``drop``
+                                   ``drop`` (not stored, not trained on) or ``keep`` (stored;
+                                   they decode to the original text)
 ``LIGHTNING_RL_GATEWAY_TOKEN``     bearer token of ``lightning-rl gateway`` (opening rollouts, none
                                    late rewards); required beyond loopback
 ``LIGHTNING_RL_VIEW_TOKEN``        token of ``lightning-rl view``; required beyond loopback     none
@@ -55,7 +61,9 @@ Internal: ``_LIGHTNING_RL_SERVER_ARGS`` carries ``store serve``'s settings to it
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import ConfigurationError
@@ -73,6 +81,9 @@ ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
 ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
 ENV_STORE_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
 ENV_SPILL_DIR = "LIGHTNING_RL_SPILL_DIR"
+ENV_REDACT = "LIGHTNING_RL_REDACT"
+ENV_REDACTED_TOKENS = "LIGHTNING_RL_REDACTED_TOKENS"
+REDACTED_TOKENS = ("drop", "keep")
 ENV_GATEWAY_TOKEN = "LIGHTNING_RL_GATEWAY_TOKEN"
 ENV_VIEW_TOKEN = "LIGHTNING_RL_VIEW_TOKEN"
 ENV_VLLM_PYTHON = "LIGHTNING_RL_VLLM_PYTHON"
@@ -127,6 +138,40 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def check_redacted_tokens(value: str, *, what: str = "redacted_tokens") -> str:
+    if not isinstance(value, str) or value.lower() not in REDACTED_TOKENS:
+        raise ConfigurationError(f"{what}={value!r} is not one of {', '.join(REDACTED_TOKENS)}; pick one of those")
+    return value.lower()
+
+
+def check_redact_spec(spec: str, *, what: str = ENV_REDACT) -> str:
+    """``spec`` if it reads ``module:function`` (nothing is imported), else a one-line ConfigurationError."""
+    module, sep, name = spec.strip().partition(":")
+    if not sep or not module or not name:
+        raise ConfigurationError(f"{what}={spec!r} is not module:function; name the redaction function like "
+                                 "mypkg.privacy:scrub (a function of one str returning a str)")
+    return spec.strip()
+
+
+def load_redactor(spec: str, *, what: str = ENV_REDACT) -> Callable[[str], str]:
+    """The function ``spec`` (``module:function``) names, imported now: a one-line ConfigurationError naming
+    the value and the fix when the module cannot be imported or has no such callable."""
+    module_name, _, name = check_redact_spec(spec, what=what).partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigurationError(f"{what}={spec!r}: module {module_name!r} cannot be imported "
+                                 f"({type(exc).__name__}: {str(exc)[:120]}); put it on PYTHONPATH or fix the "
+                                 "module name") from None
+    fn: object = module
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ConfigurationError(f"{what}={spec!r}: module {module_name!r} has no function {name!r}; name a "
+                                 "function of one str that returns a str")
+    return fn  # type: ignore[return-value]
+
+
 @dataclass(slots=True)
 class Settings:
     store: str = DEFAULT_STORE
@@ -139,6 +184,11 @@ class Settings:
     flush_timeout: float = 60.0
     no_inject_hosts: frozenset[str] = frozenset()
     sqlite_synchronous: str = "normal"
+    #: The redaction function (``configure(redact=...)``), or None. ``redact_spec``: ``module:function`` from
+    #: LIGHTNING_RL_REDACT, imported by ``Tracing.redaction`` at configure/start-up.
+    redact: Callable[[str], str] | None = None
+    redact_spec: str | None = None
+    redacted_tokens: str = "drop"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -155,4 +205,7 @@ class Settings:
             no_inject_hosts=frozenset(h.strip() for h in os.environ.get(ENV_NO_INJECT_HOSTS, "").split(",") if h.strip()),
             sqlite_synchronous=check_synchronous(os.environ.get(ENV_SQLITE_SYNCHRONOUS) or "normal",
                                                  what=ENV_SQLITE_SYNCHRONOUS),
+            redact_spec=check_redact_spec(os.environ[ENV_REDACT]) if os.environ.get(ENV_REDACT) else None,
+            redacted_tokens=check_redacted_tokens(os.environ.get(ENV_REDACTED_TOKENS) or "drop",
+                                                  what=ENV_REDACTED_TOKENS),
         )

@@ -190,10 +190,16 @@ def store_openapi() -> None:
 @click.option("--idle-timeout", type=float, default=3600.0, show_default=True,
               help="End a rollout as timed out when no call, reward or finish reached it for this many seconds "
                    "(0: never).")
+@click.option("--redact", default=None, metavar="MODULE:FUNCTION",
+              help="A function of one str returning a str, applied to every text before it is stored, e.g. "
+                   "mypkg.privacy:scrub (default: $LIGHTNING_RL_REDACT; see docs/privacy.md).")
+@click.option("--redacted-tokens", type=click.Choice(["drop", "keep"]), default=None,
+              help="Token ids of a call whose text was redacted: drop them (not trained on) or keep them (they "
+                   "decode to the original text) (default: $LIGHTNING_RL_REDACTED_TOKENS or drop).")
 @click.option("--log-level", default="warning", show_default=True)
 @errors
 def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int, token: str | None,
-            idle_timeout: float, log_level: str) -> None:
+            idle_timeout: float, redact: str | None, redacted_tokens: str | None, log_level: str) -> None:
     """Trace agents in any language: an OpenAI-compatible proxy that records rollouts into the store.
 
     Open a rollout with POST /v1/rollouts; point the agent's OpenAI client at the base_url (or use the
@@ -206,6 +212,8 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
     from ..serving import GATEWAY, check_bind
 
     check_bind(GATEWAY, host, token)
+    if redact is not None or redacted_tokens is not None:  # a bad module:function stops it here, before serving
+        _api.configure(redact=redact, redacted_tokens=redacted_tokens)
     proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
     _api.configure(store=open_store(store))
     serve(proxy, host=host, port=port, log_level=log_level, announce=lambda: click.echo(

@@ -81,6 +81,7 @@ class Gateway(Auth, Rollouts, Forwarding):
             cleaned.append(url.rstrip("/").removesuffix("/v1"))
         if idle_timeout is not None and not (isinstance(idle_timeout, (int, float)) and idle_timeout > 0):
             raise ConfigurationError(f"idle_timeout must be a number of seconds > 0 (or None: never), got {idle_timeout!r}")
+        tracing.redaction(check=True)  # a LIGHTNING_RL_REDACT naming no function stops the gateway as it starts
         self.upstreams = cleaned
         self.token = token
         self.idle_timeout = idle_timeout

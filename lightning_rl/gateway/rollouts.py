@@ -22,6 +22,7 @@ from ..settings import MODES
 from ..store.queries import expire_idle_running
 from ..tracer.context import RolloutState, rollout_scope
 from ..tracer.provider import tracing
+from ..tracer.redaction import redact_row, redact_rollout, redact_text
 
 KEY_PREFIX = "lrl-"
 ORIGIN = "gateway"  # Rollout.origin of the rollouts opened over the HTTP API
@@ -69,7 +70,8 @@ class Rollouts:
         rollout = Rollout(rollout_id=rollout_id, name=name, agent=agent or name, task=task, group_id=group_id,
                           attempt=attempt, mode=mode, status=RolloutStatus.RUNNING,
                           policy_version=tracing.policy_version(), origin=ORIGIN)
-        self.store.start_rollout(rollout)
+        redact = tracing.redaction()
+        self.store.start_rollout(rollout if redact is None else redact_rollout(rollout, redact))
         state = RolloutState(rollout_id, name, agent or name, mode, rollout.policy_version, group_id=group_id,
                              attempt=attempt)
         with rollout_scope(state):  # the span processor numbers spans of the active rollout only
@@ -162,8 +164,8 @@ class Rollouts:
         except Exception as exc:
             report_failure("gateway rollout span end", exc)
         active.state.note_end()
-        self.store.finish_rollout(rollout_id, RolloutStatus(status), time.time(), error,
-                                  active.state.oldest_call_version)
+        self.store.finish_rollout(rollout_id, RolloutStatus(status), time.time(),
+                                  redact_text(error, tracing.redaction()), active.state.oldest_call_version)
         self.store.flush(tracing.settings.flush_timeout)
         return True
 
@@ -248,7 +250,9 @@ class Rollouts:
         root = active.span.get_span_context()
         # The agent's own tree is kept (a child usually arrives before its parent, which ends later); its
         # top spans hang under the rollout's root, and every span joins the rollout's trace.
-        self.store.write_span(SpanRow(
+        row = SpanRow(
             active.state.rollout_id, next(active.state.seq), root.trace_id, span["span_id"],
             span["parent_id"] or root.span_id, span["name"], span["kind"], span["start_ns"], span["end_ns"],
-            span["status_code"], span["status_message"], attributes, span["events"]))
+            span["status_code"], span["status_message"], attributes, span["events"])
+        redact = tracing.redaction()  # the agent's own spans: its tool results, its errors
+        self.store.write_span(row if redact is None else redact_row(row, redact, tracing.keep_redacted_tokens()))

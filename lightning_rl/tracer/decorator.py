@@ -43,6 +43,7 @@ from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
 from ..settings import check_mode
 from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
 from .provider import agent_span, parent_context, tracing
+from .redaction import redact_rollout, redact_text
 
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
 _OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout", "endpoint", "sampling"})
@@ -217,10 +218,11 @@ def _begin(opts: _Options, args: tuple, kwargs: dict) -> _Active:
         status=RolloutStatus.RUNNING,
     )
     sink = tracing.sink()  # a store that cannot open is a set-up error: it surfaces here
+    redact = tracing.redaction(check=True)  # so does a LIGHTNING_RL_REDACT that names no function
     # A provisional version: the rollout's own is the oldest of its LLM calls', set when it ends.
     rollout.policy_version = tracing.policy_version()
     try:
-        sink.start_rollout(rollout)
+        sink.start_rollout(rollout if redact is None else redact_rollout(rollout, redact))
     except Exception as exc:
         report_failure("rollout start", exc)
     state = RolloutState(rollout.rollout_id, opts.name, agent, mode, rollout.policy_version,
@@ -300,7 +302,8 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
     _rollout.reset(rollout_token)
     state.note_end()
     try:
-        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), error, state.oldest_call_version)
+        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), redact_text(error, tracing.redaction()),
+                                   state.oldest_call_version)
     except Exception as failure:
         report_failure("rollout finish", failure)
     return reward_error

@@ -27,9 +27,10 @@ from ..boundaries import check_int
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
 from ..records import PackedTokens, SpanRow
-from ..settings import Settings
+from ..settings import Settings, load_redactor
 from .context import _our_span, _rollout
 from .records import KIND_NAMES, STATUS_NAMES, RecordSpan, RecordTracer
+from .redaction import FAILED, redact_readable, redact_row
 from ..sink import SpanSink
 
 INSTRUMENTATION_NAME = "lightning_rl"
@@ -60,8 +61,12 @@ class RolloutSpanProcessor(SpanProcessor):
     back-pressure only when its bounded queue is full).
     """
 
-    def __init__(self, get_sink: Callable[[], SpanSink]) -> None:
+    def __init__(self, get_sink: Callable[[], SpanSink],
+                 get_redaction: Callable[[], Callable[[str], str] | None] = lambda: None,
+                 keep_tokens: Callable[[], bool] = lambda: True) -> None:
         self._get_sink = get_sink
+        self._get_redaction = get_redaction
+        self._keep_tokens = keep_tokens
         self._pending: dict[int, tuple] = {}
         self._tokens: dict[int, PackedTokens] = {}
 
@@ -81,6 +86,15 @@ class RolloutSpanProcessor(SpanProcessor):
         ctx = span.context
         entry = self._pending.pop(ctx.span_id, None)
         tokens = self._tokens.pop(ctx.span_id, None) if self._tokens else None
+        try:
+            redact = self._get_redaction()
+            if redact is not None:  # before the user's processors (after ours) see the span, in a rollout or not
+                if redact_readable(span, redact, self._keep_tokens(), tokens is not None):
+                    tokens = None
+        except Exception as exc:  # never into the agent
+            report_failure("span redaction", exc)
+            span._attributes, span._events = {}, ()  # fail closed: nothing unredacted is handed on
+            tokens = None
         if entry is None:
             count("spans_outside_rollout")
             return
@@ -141,12 +155,41 @@ class Tracing:
             max_span_attribute_length=SpanLimits.UNSET,
         )
         self._limits = limits
-        self.processor = RolloutSpanProcessor(self.sink)
+        self._unloadable_spec: str | None = None
+        self.processor = RolloutSpanProcessor(self.sink, self.redaction, self.keep_redacted_tokens)
         self._records = RecordTracer(self._write_span)
         self.remove_span_processors()
 
     def _write_span(self, row: SpanRow) -> None:
+        redact = self.redaction()
+        if redact is not None:
+            row = redact_row(row, redact, self.settings.redacted_tokens == "keep")
         self.sink().write_span(row)
+
+    # -- redaction (tracer/redaction.py) ----------------------------------------------------------
+    def redaction(self, *, check: bool = False) -> Callable[[str], str] | None:
+        """The redaction function, or None. LIGHTNING_RL_REDACT's ``module:function`` is imported on first
+        use: ``check=True`` (configure, a rollout's start, the gateway's) raises its ConfigurationError;
+        elsewhere (a span ending) a function that cannot be loaded fails closed: every text is replaced."""
+        fn = self.settings.redact
+        spec = self.settings.redact_spec
+        if fn is not None or spec is None:
+            return fn
+        if not check and spec == self._unloadable_spec:  # tried: no import per span
+            return _unloadable
+        try:
+            fn = self.settings.redact = load_redactor(spec)
+        except ConfigurationError as exc:
+            if check:
+                raise
+            self._unloadable_spec = spec
+            report_failure("loading the redaction function", message=f"lightning-rl: {exc}; until it loads, every "
+                           f"text is recorded as {FAILED!r} (logged once)")
+            return _unloadable
+        return fn
+
+    def keep_redacted_tokens(self) -> bool:
+        return self.settings.redacted_tokens == "keep"
 
     def remove_span_processors(self) -> None:
         """Forget the user's span processors (tests; a process that configures tracing anew): spans are
@@ -274,6 +317,10 @@ class Tracing:
         except Exception as exc:
             report_failure("reading published policy versions", exc)
         self._published_at = asked
+
+
+def _unloadable(text: str) -> str:
+    raise ConfigurationError("the redaction function named by LIGHTNING_RL_REDACT cannot be loaded")
 
 
 tracing = Tracing()

@@ -20,9 +20,11 @@ from .sources import StepBatch
 
 #: This process's counters of records set aside, put on every metrics line (cumulative): a record the store
 #: quarantined, ops the store server refused, stored spans or rows the readers could not use, LLM calls
-#: seen at the HTTP layer that bypassed the instrumented client.
+#: seen at the HTTP layer that bypassed the instrumented client, LLM calls whose token ids redaction dropped
+#: (their text changed: not trained on) and texts a failing redaction function replaced.
 SET_ASIDE = ("records_quarantined", "rejected_ops", "malformed_spans_skipped", "malformed_span_fields",
-             "span_rows_unreadable", "rollout_rows_unreadable", "llm_calls_bypassing_capture")
+             "span_rows_unreadable", "rollout_rows_unreadable", "llm_calls_bypassing_capture",
+             "redacted_token_ids_dropped", "redaction_failed")
 
 
 def set_aside_counts() -> dict[str, int]:
