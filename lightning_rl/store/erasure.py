@@ -21,9 +21,11 @@ How the text leaves the files (``docs/retention.md``):
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -168,3 +170,49 @@ def vacuum_postgres(conn: Any, *, full: bool) -> None:
                 cur.execute("CHECKPOINT")  # the rewritten files reach the disk now, not at the next checkpoint
             except Exception:  # CHECKPOINT needs superuser or pg_checkpoint (PostgreSQL 15+): the next one comes anyway
                 pass
+
+
+# -- prune (``lightning-rl store prune``) ---------------------------------------------------------------
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*")
+
+
+def parse_duration(text: str, option: str = "--older-than") -> float:
+    """``"30d"`` as seconds: a number and one unit of s, m, h, d, w."""
+    found = _DURATION.fullmatch(str(text))
+    if not found:
+        raise ConfigurationError(f"{option} {text!r:.40} is not a duration: give a number and a unit of s, m, h, d "
+                                 f"or w (seconds, minutes, hours, days, weeks), e.g. {option} 30d")
+    return float(found.group(1)) * _UNITS[found.group(2)]
+
+
+@dataclass(slots=True)
+class PruneResult:
+    """What ``prune`` removed (or, with ``dry_run``, would remove)."""
+
+    cutoff: float
+    rollout_ids: list[str]
+    spans: int
+    rewards: int
+    kept_trained: int  # old enough, kept because a published policy was trained on their group
+    deleted: int  # rollouts removed (0 for a dry run)
+
+
+def prune(store: Any, older_than: float, *, mode: str | None = None, keep_trained: bool = False,
+          dry_run: bool = False, full: bool = False, now: float | None = None) -> PruneResult:
+    """Erase the rollouts of ``store`` that ended ``older_than`` seconds ago or earlier (a rollout that never
+    ended: that started so), of ``mode`` only if given; ``keep_trained`` keeps those whose group id is in a
+    policy record's ``trained_on`` lineage. Their spans and rewards are counted (read) first."""
+    cutoff = (time.time() if now is None else now) - older_than
+    old = [r for r in store.rollouts(mode=mode) if (r.end_time if r.end_time is not None else r.start_time) < cutoff]
+    kept = 0
+    if keep_trained:
+        lineage = {g for p in store.policies() for g in (p.trained_on or ())}
+        chosen = [r for r in old if r.group_id not in lineage]
+        kept, old = len(old) - len(chosen), chosen
+    ids = [r.rollout_id for r in old]
+    spans = rewards = 0
+    for _, found_spans, found_rewards in store.rollout_data(ids):
+        spans, rewards = spans + len(found_spans), rewards + len(found_rewards)
+    deleted = 0 if dry_run or not ids else store.delete_rollouts(ids, full=full)
+    return PruneResult(cutoff, ids, spans, rewards, kept, deleted)

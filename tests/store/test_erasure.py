@@ -203,3 +203,64 @@ def test_postgres_vacuum_full_removes_the_text_from_the_table_files(pg_cluster, 
 def _checkpoint(store: PostgresStore) -> None:
     with store._pool.connection() as conn:
         conn.execute("CHECKPOINT")
+
+
+def _old(store, rollout_id: str, *, mode: str, days: float, group_id: str | None = None) -> None:
+    """A finished rollout that ended ``days`` ago, its text personal."""
+    ended = time.time() - days * 86400
+    store.start_rollout(rollout(rollout_id, mode=mode, group_id=group_id or f"g-{rollout_id}", start_time=ended - 60)
+                        .model_copy(update={"task": {"question": f"who is {SECRET} ({rollout_id})?"}}))
+    store.add_spans(_spans(rollout_id, f"{SECRET} ({rollout_id})"))
+    store.write_reward(Reward(rollout_id=rollout_id, value=1.0, source=RewardSource.RETURNED, time=ended))
+    store.finish_rollout(rollout_id, RolloutStatus.SUCCEEDED, ended, None)
+    store.flush()
+
+
+def test_store_prune_erases_old_rollouts_of_a_mode_and_keeps_what_a_policy_was_trained_on(tmp_path):
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+
+    db = tmp_path / "runs.db"
+    with SQLiteStore(db) as store:
+        _old(store, "old-prod", mode="prod", days=40)
+        _old(store, "old-prod-trained", mode="prod", days=45, group_id="g-trained")
+        _old(store, "old-train", mode="train", days=50)
+        _old(store, "new-prod", mode="prod", days=2)
+        store.record_policy("assistant", 1, trained_on=["g-trained"])
+
+    def prune(*args: str):
+        return CliRunner().invoke(main, ["store", "prune", "--store", str(db), *args])
+
+    def left() -> list[str]:
+        with SQLiteStore(db) as store:
+            return sorted(r.rollout_id for r in store.rollouts())
+
+    everything = ["new-prod", "old-prod", "old-prod-trained", "old-train"]
+    dry = prune("--older-than", "30d", "--mode", "prod", "--keep-trained", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert "would erase 1 prod rollouts" in dry.output and "(5 spans, 1 rewards)" in dry.output
+    assert "old-prod\n" in dry.output and "kept 1 old rollout" in dry.output
+    assert left() == everything  # nothing went
+
+    done = prune("--older-than", "30d", "--mode", "prod", "--keep-trained")
+    assert done.exit_code == 0, done.output
+    assert "erased 1 prod rollouts" in done.output and "5 spans, 1 rewards" in done.output
+    assert "file size:" in done.output
+    assert left() == ["new-prod", "old-prod-trained", "old-train"]
+    assert _files_holding(tmp_path, f"{SECRET} (old-prod)") == []
+
+    six_weeks = prune("--older-than", "6w", "--full", "--json")  # 42 days: old-prod-trained (45) and old-train (50)
+    assert six_weeks.exit_code == 0, six_weeks.output
+    report = orjson.loads(six_weeks.output)
+    assert report["deleted"] == 2 and report["spans"] == 10 and report["rewards"] == 2
+    assert report["bytes_after"] < report["bytes_before"]  # VACUUM gave the space back
+    assert left() == ["new-prod"]
+    assert _files_holding(tmp_path, SECRET) == _files_holding(tmp_path, f"{SECRET} (new-prod)")
+    with SQLiteStore(db) as store:
+        assert [p.trained_on for p in store.policies()] == [["g-trained"]]
+
+    bad = prune("--older-than", "30 days")
+    assert bad.exit_code != 0 and len(bad.output.strip().splitlines()) == 1
+    assert "'30 days' is not a duration" in bad.output and "--older-than 30d" in bad.output
+    assert left() == ["new-prod"]
