@@ -213,7 +213,13 @@ class SQLiteStore:
 
         def delete() -> int:
             with self._qlock:
-                return erase_sqlite(self._qconn, ids, full=full, busy_timeout=self._busy_timeout, where=repr(self.path))
+                try:
+                    return erase_sqlite(self._qconn, ids, full=full, busy_timeout=self._busy_timeout,
+                                        where=repr(self.path))
+                except sqlite3.OperationalError as exc:  # locked, full, away: nothing was deleted
+                    raise StoreError(f"could not erase {len(ids)} rollout(s) from {self.path!r} ({exc}); their lines "
+                                     "left the spill files, their rows are still there: run it again when the "
+                                     "file can be written") from None
 
         return erased(self._durable.erase(ids, delete))
 

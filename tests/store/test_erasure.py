@@ -264,3 +264,30 @@ def test_store_prune_erases_old_rollouts_of_a_mode_and_keeps_what_a_policy_was_t
     assert bad.exit_code != 0 and len(bad.output.strip().splitlines()) == 1
     assert "'30 days' is not a duration" in bad.output and "--older-than 30d" in bad.output
     assert left() == ["new-prod"]
+
+
+def test_lines_the_sqlite_store_spilled_while_its_file_was_locked_are_erased_too(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "runs.db"
+    with SQLiteStore(db, give_up_after=0.2, busy_timeout=0.05) as store:
+        store.start_rollout(rollout("made"))  # the file exists, with its schema
+        store.flush()
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        _write(store, "gone", SECRET)  # the file is locked: after 0.2 s of trying, spilled, in order
+        _write(store, "keep", "Ada Lovelace")
+        assert store.spill_files and _files_holding(tmp_path / "runs.db.spill", SECRET)
+        with pytest.raises(StoreError, match="run it again"):  # the rows cannot be reached; the lines can
+            store.delete_rollouts(["gone"])
+        assert _files_holding(tmp_path, SECRET) == []
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        deadline = time.monotonic() + 10
+        while store.spill_files and time.monotonic() < deadline:  # written back within about a second
+            time.sleep(0.1)
+        store.flush()
+        assert not store.spill_files
+        assert sorted(r.rollout_id for r in store.rollouts()) == ["keep", "made"]
+        assert len(store.spans("keep")) == 5 and len(store.rewards("keep")) == 3
+        assert _files_holding(tmp_path, SECRET) == []
