@@ -291,3 +291,19 @@ def test_lines_the_sqlite_store_spilled_while_its_file_was_locked_are_erased_too
         assert sorted(r.rollout_id for r in store.rollouts()) == ["keep", "made"]
         assert len(store.spans("keep")) == 5 and len(store.rewards("keep")) == 3
         assert _files_holding(tmp_path, SECRET) == []
+
+
+def test_store_prune_through_a_store_server(tmp_path):
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+
+    with BackgroundServer(tmp_path / "served.db") as srv:
+        _old(srv.store, "old", mode="prod", days=40)
+        _old(srv.store, "new", mode="prod", days=1)
+        result = CliRunner().invoke(main, ["store", "prune", "--older-than", "30d", "--store", srv.url, "--json"])
+        assert result.exit_code == 0, result.output
+        report = orjson.loads(result.output)
+        assert report["deleted"] == 1 and report["spans"] == 5 and "bytes_before" not in report
+        assert [r.rollout_id for r in srv.store.rollouts()] == ["new"]
+    assert _files_holding(tmp_path, f"{SECRET} (old)") == []
