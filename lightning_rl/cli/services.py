@@ -1,4 +1,4 @@
-"""Long-running services and their store: ``store serve|doctor|migrate|openapi``, ``gateway``, ``view``,
+"""Long-running services and their store: ``store serve|doctor|migrate|prune|openapi``, ``gateway``, ``view``,
 ``runner``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ._common import STORE_HELP, errors, open_store, when
 
 @click.group("store")
 def store_group() -> None:
-    """Serve a store over HTTP for many runner processes and machines; inspect and upgrade a store."""
+    """Serve a store over HTTP for many runner processes and machines; inspect, upgrade and prune a store."""
 
 
 @store_group.command("serve")
@@ -165,6 +165,67 @@ def store_migrate(store: str | None, vacuum: bool) -> None:
         finally:
             conn.close()
         click.echo(f"{where}: vacuumed, {size:,} -> {Path(opened.path).stat().st_size:,} bytes")
+
+
+@store_group.command("prune")
+@click.option("--older-than", "older_than", required=True,
+              help="Erase rollouts that ended this long ago or earlier (one that never ended: that started so): a "
+                   "number and s, m, h, d or w, e.g. 30d.")
+@click.option("--mode", default=None, help="Only rollouts of this mode (train, eval, prod).")
+@click.option("--keep-trained", is_flag=True,
+              help="Keep rollouts whose group a published policy was trained on (its trained_on lineage).")
+@click.option("--dry-run", is_flag=True, help="Say what would be erased; erase nothing.")
+@click.option("--full", is_flag=True, help="Then rebuild the files: SQLite VACUUM (the file shrinks; no other process "
+              "may write meanwhile), PostgreSQL VACUUM FULL (locks the tables while it runs).")
+@click.option("--store", default=None, help=STORE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="The result as one JSON object.")
+@errors
+def store_prune(older_than: str, mode: str | None, keep_trained: bool, dry_run: bool, full: bool, store: str | None,
+                as_json: bool) -> None:
+    """Erase old rollouts with their spans, rewards, queue entries and the text they hold (docs/retention.md):
+    SQLite zeroes what it frees and empties its WAL; PostgreSQL vacuums (--full: VACUUM FULL, which is what
+    takes the bytes out of its table files). Policy records and their lineage stay.
+
+    Example: lightning-rl store prune --older-than 30d --mode prod --keep-trained --store runs.db --dry-run
+    """
+    from pathlib import Path
+
+    from ..store.erasure import parse_duration, prune
+    from ..store.sqlite_store import SQLiteStore
+
+    seconds = parse_duration(older_than)
+    opened = open_store(store)
+    try:
+        where = shown_url(opened)
+        files = [Path(opened.path + s) for s in ("", "-wal")] if isinstance(opened, SQLiteStore) else []
+        size_before = sum(p.stat().st_size for p in files if p.exists())
+        result = prune(opened, seconds, mode=mode, keep_trained=keep_trained, dry_run=dry_run, full=full)
+        size_after = sum(p.stat().st_size for p in files if p.exists())
+    finally:
+        opened.close()
+    report = {"store": where, "dry_run": dry_run, "cutoff": result.cutoff, "rollouts": len(result.rollout_ids),
+              "spans": result.spans, "rewards": result.rewards, "deleted": result.deleted,
+              "kept_trained": result.kept_trained}
+    if files:
+        report.update(bytes_before=size_before, bytes_after=size_after)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    which = f"{'' if mode is None else mode + ' '}rollouts that ended before {when(result.cutoff)}"
+    if dry_run:
+        click.echo(f"{where}: would erase {len(result.rollout_ids)} {which} ({result.spans} spans, {result.rewards} "
+                   "rewards); nothing was erased (--dry-run)")
+        for rollout_id in result.rollout_ids[:20]:
+            click.echo(f"  {rollout_id}")
+        if len(result.rollout_ids) > 20:
+            click.echo(f"  ... and {len(result.rollout_ids) - 20} more")
+    else:
+        click.echo(f"{where}: erased {result.deleted} {which}, {result.spans} spans, {result.rewards} rewards")
+    if keep_trained:
+        click.echo(f"kept {result.kept_trained} old rollout(s) a published policy was trained on (--keep-trained)")
+    if files:
+        click.echo(f"file size: {size_before:,} -> {size_after:,} bytes (the database and its WAL)"
+                   + ("" if full or dry_run else "; freed pages are zeroed and reused, --full gives them back"))
 
 
 @store_group.command("openapi")

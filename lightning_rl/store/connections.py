@@ -70,6 +70,9 @@ def connect(path: str, busy_timeout: float = 30.0, synchronous: str = "normal",
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {check_synchronous(synchronous).upper()}")
+        # Freed cells are zeroed where that costs no extra I/O (an updated row's old copy included), so an
+        # erasure (``erasure.py``, which deletes with secure_delete ON) leaves no older copy of the text behind.
+        conn.execute("PRAGMA secure_delete = FAST")
     except BaseException:
         conn.close()
         raise

@@ -16,11 +16,13 @@ Its spill files are adopted by the next process that opens the same folder if th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..diagnostics import count, report_failure
 from . import wire
+from .erasure import erase_from_spill_files
 from .ops import EncodedSpan, Op, Quarantine, TracedSpan
 from .quarantine import describe
 from .spill import SpillFiles, claim_folder, release_folder
@@ -41,6 +43,8 @@ class DurableWrites:
         self._apply_batch, self._keep_aside = apply, keep_aside
         self.sharer = PrefixSharer()  # the writer thread's: prompts and messages stored as prefix + tail
         self.spills = SpillFiles(folder)
+        self._erased: set[str] = set()  # erased rollouts the sharer has yet to forget
+        self._erased_lock = threading.Lock()
         self.spills.adopt_orphans(own=claim_folder(folder))
         self.writer = BackgroundWriter(
             self._apply, maxsize=queue_size, name=name, spill=self._spill, replay=self._replay,
@@ -48,6 +52,18 @@ class DurableWrites:
             is_record_error=is_record_error)
         if self.spills.files:
             self.writer.flush(0)  # wakes the writer, which writes the backlog back first
+
+    def erase(self, rollout_ids: list[str], delete: Callable[[], int]) -> int:
+        """Erase rollouts (``erasure.py``): what is queued is written (or spilled) first; then, while no
+        replay runs, their lines leave the spill files and ``delete()`` removes their rows (its result is
+        returned); the prefix sharer forgets them (on the writer thread, before its next batch)."""
+        self.writer.flush()
+        with self.spills.lock:
+            erase_from_spill_files(self.spills, rollout_ids)
+            removed = delete()
+        with self._erased_lock:
+            self._erased.update(rollout_ids)
+        return removed
 
     def close(self) -> None:
         """Write what is queued, try the backlog once more (what stays is adopted by the next open)."""
@@ -61,6 +77,11 @@ class DurableWrites:
 
     # -- the writer thread ------------------------------------------------------------------------
     def _apply(self, ops: list[Op]) -> None:
+        if self._erased:
+            with self._erased_lock:
+                erased, self._erased = self._erased, set()
+            for rollout_id in erased:
+                self.sharer.forget(rollout_id)
         for rollout_id in self._apply_batch(ops, self.sharer):
             self.sharer.forget(rollout_id)
 
@@ -80,18 +101,19 @@ class DurableWrites:
         version can read is quarantined, and so is an op the database refuses; everything else is written.
         Raises only while the database cannot be written."""
         while self.spills.files:
-            path = self.spills.files[0]
-            ops: list[Op] = []
-            for number, line in enumerate(SpillFiles.read(path), 1):
-                try:
-                    ops.append(wire.decode(line))
-                except Exception as exc:  # not JSON, an unknown op, a payload of another shape
-                    text = line.decode(errors="replace")
-                    ops.append(Quarantine("spill line", None, f"line {number} of spill file {path.name}: {exc}"[:2000],
-                                          text[:100_000]))
-            self.writer.write(ops)
-            path.unlink()
-            self.spills.files.pop(0)
+            with self.spills.lock:  # an erasure does not rewrite a file while it is replayed
+                path = self.spills.files[0]
+                ops: list[Op] = []
+                for number, line in enumerate(SpillFiles.read(path), 1):
+                    try:
+                        ops.append(wire.decode(line))
+                    except Exception as exc:  # not JSON, an unknown op, a payload of another shape
+                        text = line.decode(errors="replace")
+                        ops.append(Quarantine("spill line", None,
+                                              f"line {number} of spill file {path.name}: {exc}"[:2000], text[:100_000]))
+                self.writer.write(ops)
+                path.unlink()
+                self.spills.files.pop(0)
             count("spill_files_replayed")
         return True
 

@@ -77,6 +77,7 @@ from ..records import (
 from ..settings import ENV_SPILL_DIR, ENV_STORE_TOKEN, Settings
 from . import checks, scan, wire
 from .http_writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _NoStoreServer, _Unreachable, server_urls
+from .erasure import erase_from_spill_files, erased, rollout_id_list
 from .lifecycle import track
 from .ops import EncodedSpan, FinishRollout, Op, StartRollout, TracedSpan, WriteReward
 from .rows import span_record_values
@@ -237,9 +238,9 @@ class HttpStore:
 
     # -- requests ----------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                 not_found_ok: bool = False) -> Any:
+                 not_found_ok: bool = False, older: str | None = None) -> Any:
         """One request to a server that answers (the one in use, then the others: module doc), retried for
-        ``retry_for`` seconds while none does."""
+        ``retry_for`` seconds while none does. ``older``: the error for a store server that lacks ``path``."""
         deadline = time.monotonic() + self._retry_for
         delay = 0.05
         body = orjson.dumps(json) if json is not None else None
@@ -248,6 +249,8 @@ class HttpStore:
             try:
                 resp = self._servers.send(method, path, content=body, params=params)
             except _NoStoreServer as exc:  # a wrong URL does not become a store server by waiting
+                if older is not None and path != "/health" and self._request("GET", "/health", not_found_ok=True):
+                    raise StoreError(older) from None  # a store server, from before this route
                 raise ConfigurationError(f"{exc}; give the URL of `lightning-rl store serve` (http://HOST:PORT, "
                                          "no path), e.g. --store http://127.0.0.1:8765") from None
             except _Unreachable as exc:
@@ -327,6 +330,30 @@ class HttpStore:
     def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
         checks.check_count(limit, "limit")
         return [QuarantinedRecord.model_validate(q) for q in self._request("GET", "/quarantine", params={"limit": limit})]
+
+    # -- erasure ------------------------------------------------------------------------------------
+    def delete_rollouts(self, rollout_ids: Iterable[str], *, full: bool = False) -> int:
+        """What this process still holds for them goes first (sent, or its lines taken out of the spill
+        files), then the server erases them from its store (``POST /v1/rollouts/delete``, 1000 ids a request)."""
+        ids = rollout_id_list(rollout_ids)
+        self._writable("delete_rollouts")
+        if not ids:
+            return 0
+        self.flush()
+        with self._sender.spill.lock:
+            erase_from_spill_files(self._sender.spill, ids)
+        removed = 0
+        for start in range(0, len(ids), 1000):
+            removed += self._delete(ids[start:start + 1000], full)
+        return erased(removed)
+
+    def _delete(self, ids: list[str], full: bool) -> int:
+        older = (f"the store server {self.url} has no erasure endpoint (POST {wire.API_PREFIX}/rollouts/delete): it "
+                 "runs a lightning-rl older than this client. Upgrade lightning-rl where it runs (pip install -U "
+                 "lightning-rl) and restart `lightning-rl store serve`, or erase on the store itself: lightning-rl "
+                 "store prune --store DB")
+        return wire.Deleted.model_validate(self._request(
+            "POST", "/rollouts/delete", json={"rollout_ids": ids, "full": full}, older=older)).deleted
 
     # -- RewardLog ----------------------------------------------------------------------------------
     def add_reward(self, rollout_id: str, value: float, name: str = "reward", *, llm_call_index: int | None = None,

@@ -213,21 +213,22 @@ class BatchSender:
             return False
         timeout, budget = _PROBE, 0.0
         while self.spill.files:
-            path = self.spill.files[0]
-            try:
-                ops = SpillFiles.read(path)
-                for start in range(0, len(ops), self._batch_ops):
-                    self._post_ops(ops[start:start + self._batch_ops], timeout=timeout, budget=budget)
-                    timeout, budget = self._timeout, _WRITE_BUDGET
-            except _Unreachable:
-                self.spill.last_failure = time.monotonic()
-                return False
-            except OSError as exc:
-                report_failure("spill replay", exc)
-                self.spill.last_failure = time.monotonic()
-                return False
-            path.unlink()
-            self.spill.files.pop(0)
+            with self.spill.lock:  # an erasure does not rewrite a file while it is replayed
+                path = self.spill.files[0]
+                try:
+                    ops = SpillFiles.read(path)
+                    for start in range(0, len(ops), self._batch_ops):
+                        self._post_ops(ops[start:start + self._batch_ops], timeout=timeout, budget=budget)
+                        timeout, budget = self._timeout, _WRITE_BUDGET
+                except _Unreachable:
+                    self.spill.last_failure = time.monotonic()
+                    return False
+                except OSError as exc:
+                    report_failure("spill replay", exc)
+                    self.spill.last_failure = time.monotonic()
+                    return False
+                path.unlink()
+                self.spill.files.pop(0)
             count("spill_files_replayed")
         return True
 

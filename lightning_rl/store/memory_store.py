@@ -30,6 +30,7 @@ from ..records import (
     allowed_from,
 )
 from . import checks, scan, task_queue
+from .erasure import erased, rollout_id_list
 from .ops import (
     EncodedSpan,
     ExpireTry,
@@ -55,7 +56,7 @@ class InMemoryStore:
         self._spans: dict[str, dict[int, Span]] = {}
         self._rewards: dict[str, list[Reward]] = {}
         self._reward_uids: set[str] = set()
-        self._reward_log: list[tuple[str, str]] = []  # (rollout_id, name) in arrival order
+        self._reward_log: list[tuple[str | None, str | None]] = []  # (rollout_id, name) in arrival order
         self._policies: list[PolicyRecord] = []
         self._queue: dict[str, QueueEntry] = {}
         self._qlock = threading.Lock()
@@ -144,6 +145,22 @@ class InMemoryStore:
     def write_batch(self, ops: list[Op]) -> None:
         for op in ops:
             self._apply(op)
+
+    def delete_rollouts(self, rollout_ids: Iterable[str], *, full: bool = False) -> int:
+        ids = set(rollout_id_list(rollout_ids))
+        with self._lock:
+            removed = sum(self._rollouts.pop(rid, None) is not None for rid in ids)
+            for rid in ids:
+                self._spans.pop(rid, None)
+                for reward in self._rewards.pop(rid, []):
+                    self._reward_uids.discard(reward.uid)
+            # positions stay where they were (a poller's next position is one of them); erased ones read as nothing
+            self._reward_log = [(rid, name) if rid not in ids else (None, None) for rid, name in self._reward_log]
+            self._quarantine = [q for q in self._quarantine if q.rollout_id not in ids]
+        with self._qlock:
+            for queue_id in [q for q, e in self._queue.items() if e.rollout_id in ids]:
+                del self._queue[queue_id]
+        return erased(removed)
 
     def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
         checks.check_count(limit, "limit")
@@ -243,7 +260,8 @@ class InMemoryStore:
         checks.check_count(limit, "limit")
         with self._lock:
             log = self._reward_log[after:]
-        rows = [(after + i + 1, rid) for i, (rid, n) in enumerate(log) if name is None or n == name][:limit]
+        rows = [(after + i + 1, rid) for i, (rid, n) in enumerate(log)
+                if rid is not None and (name is None or n == name)][:limit]
         return list(dict.fromkeys(rid for _, rid in rows)), (rows[-1][0] if rows else after)
 
     # -- TaskQueue ----------------------------------------------------------------------------------

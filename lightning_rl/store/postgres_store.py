@@ -49,6 +49,7 @@ from ..settings import ENV_SPILL_DIR, Settings
 from . import checks, task_queue
 from . import postgres_sql as sql
 from .durable import INGEST_CHUNK, DurableWrites
+from .erasure import delete_postgres, erased, rollout_id_list, vacuum_postgres
 from .spill import spill_files_in
 from .lifecycle import track
 from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
@@ -282,6 +283,19 @@ class PostgresStore:
     @property
     def pending_writes(self) -> int:
         return 0 if self._durable is None else self._durable.writer.pending
+
+    def delete_rollouts(self, rollout_ids: Iterable[str], *, full: bool = False) -> int:
+        """Erase rollouts (``store/erasure.py``): DELETE in one transaction, then ``VACUUM`` of the tables
+        (``full``: ``VACUUM FULL`` and a ``CHECKPOINT``, which rewrite the table files without their bytes)."""
+        ids = rollout_id_list(rollout_ids)
+        if self._durable is None:
+            raise checks.read_only("delete_rollouts", self.shown)
+        if not ids:
+            return 0
+        removed = self._durable.erase(ids, lambda: self._txn(lambda conn: delete_postgres(conn, ids),
+                                                                what="delete_rollouts"))
+        self._with(lambda conn: vacuum_postgres(conn, full=full), what="delete_rollouts (VACUUM)")
+        return erased(removed)
 
     def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
         checks.check_count(limit, "limit")

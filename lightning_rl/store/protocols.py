@@ -10,7 +10,7 @@ store asks for that part.
 * ``RewardLog``: late rewards (user feedback) and the rewards a poller has not seen.
 * ``TaskQueue``: tasks tried n times, leased to runners (the rules: ``store/task_queue.py``).
 * ``PolicyLog``: which weights each served name answers with.
-* ``Store``: all of them, plus ingest, the quarantine and closing.
+* ``Store``: all of them, plus ingest, erasure, the quarantine and closing.
 
 What is derived from these (trajectories, samples, id prefixes, the idle sweep, waiting for groups)
 is a function over the protocol it needs, in ``store/queries.py``, written once for every store.
@@ -151,7 +151,7 @@ class PolicyLog(Protocol):
 
 @runtime_checkable
 class Store(SpanSink, RolloutReader, RolloutIndex, RewardLog, TaskQueue, PolicyLog, Protocol):
-    """A whole store: every protocol above, plus ingest, the quarantine and closing."""
+    """A whole store: every protocol above, plus ingest, erasure, the quarantine and closing."""
 
     def add_spans(self, spans: list[Span]) -> None:
         """Ingest spans recorded elsewhere (idempotent by ``(rollout_id, seq)``), after everything
@@ -160,6 +160,14 @@ class Store(SpanSink, RolloutReader, RolloutIndex, RewardLog, TaskQueue, PolicyL
 
     def write_batch(self, ops: list[Op]) -> None:
         """Write ops idempotently, in order (the store server's write path); kept on return."""
+        ...
+
+    def delete_rollouts(self, rollout_ids: Iterable[str], *, full: bool = False) -> int:
+        """Erase rollouts with everything that belongs to them (spans, rewards, queue entries, quarantined
+        records, lines waiting in this process's spill files); others keep everything, policy records stay.
+        Their text is gone from the store's files on return, as far as the database allows
+        (``store/erasure.py``, ``docs/retention.md``); ``full`` also rebuilds the files (SQLite ``VACUUM``,
+        PostgreSQL ``VACUUM FULL``). Returns how many rollouts were removed (unknown ids are ignored)."""
         ...
 
     def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:

@@ -362,6 +362,17 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         return _json([{"rollout": r.model_dump(mode="json"), "spans": [s.model_dump(mode="json") for s in sp],
                        "rewards": [w.model_dump(mode="json") for w in rw]} for r, sp, rw in data])
 
+    @app.post(f"{p}/rollouts/delete", response_model=wire.Deleted, openapi_extra=_body_schema(wire.DeleteRolloutsIn))
+    async def delete_rollouts(request: Request) -> Response:
+        """Erase rollouts with their spans, rewards, queue entries and quarantined records (``store/erasure.py``);
+        the number removed (unknown ids are ignored)."""
+        data = await body_of(request, wire.DeleteRolloutsIn)
+        with known_lock:  # a later batch naming them is checked against the store again
+            for rid in data.rollout_ids:
+                known.pop(rid, None)
+        deleted = await anyio.to_thread.run_sync(lambda: store.delete_rollouts(data.rollout_ids, full=data.full))
+        return _json({"deleted": deleted})
+
     @app.get(f"{p}/rollout_ids")
     async def rollout_ids(prefix: str, limit: Annotated[int, Query(ge=1, le=1000)] = 11) -> Response:
         """Rollout ids starting with ``prefix`` (a unique prefix names a rollout in the CLI), in order."""

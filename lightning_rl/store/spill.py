@@ -54,6 +54,8 @@ class SpillFiles:
         self.folder = folder
         self.files: list[Path] = []
         self.last_failure = 0.0
+        #: Held while a file is replayed, and while an erasure rewrites the files (``erasure.py``).
+        self.lock = threading.Lock()
 
     def adopt_orphans(self, *, own: bool = False) -> None:
         """Claim the spill files of processes that are gone (a rename, so only one process gets each);

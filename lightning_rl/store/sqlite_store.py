@@ -49,6 +49,7 @@ from . import checks, task_queue
 from . import sqlite_reads as sql
 from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
 from .durable import INGEST_CHUNK, DurableWrites
+from .erasure import erase_sqlite, erased, rollout_id_list
 from .lifecycle import track
 from .migrations import latest_version, migrate
 from .ops import (
@@ -201,6 +202,26 @@ class SQLiteStore:
     @property
     def pending_writes(self) -> int:
         return self._writer.pending
+
+    def delete_rollouts(self, rollout_ids: Iterable[str], *, full: bool = False) -> int:
+        """Erase rollouts (``store/erasure.py``): deleted with ``secure_delete`` (freed bytes zeroed), then the
+        WAL emptied (``wal_checkpoint(TRUNCATE)``) before it returns; ``full`` also runs ``VACUUM``."""
+        ids = rollout_id_list(rollout_ids)
+        self._writable("delete_rollouts")
+        if not ids:
+            return 0
+
+        def delete() -> int:
+            with self._qlock:
+                try:
+                    return erase_sqlite(self._qconn, ids, full=full, busy_timeout=self._busy_timeout,
+                                        where=repr(self.path))
+                except sqlite3.OperationalError as exc:  # locked, full, away: nothing was deleted
+                    raise StoreError(f"could not erase {len(ids)} rollout(s) from {self.path!r} ({exc}); their lines "
+                                     "left the spill files, their rows are still there: run it again when the "
+                                     "file can be written") from None
+
+        return erased(self._durable.erase(ids, delete))
 
     def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
         checks.check_count(limit, "limit")

@@ -206,6 +206,17 @@ class Ok(_Wire):
     ok: bool
 
 
+class DeleteRolloutsIn(_Wire):
+    """``POST /v1/rollouts/delete``: erase these rollouts (``full``: rebuild the files too)."""
+
+    rollout_ids: list[str] = Field(max_length=1000)
+    full: bool = False
+
+
+class Deleted(_Wire):
+    deleted: int
+
+
 class RolloutData(_Wire):
     rollout: Rollout
     spans: list[Span]
