@@ -126,21 +126,48 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
 @click.option("--max-updates", type=int, default=None, help="Stop after N updates (default: run forever).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
+@click.option("--gate-tasks", "gate_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Held-out tasks (JSON lines): each update goes live only if not worse on them than the live policy.")
+@click.option("--gate-agent", default=None, help="module:function of the traced agent that runs the gate tasks "
+              "(it calls the model lrl.current_endpoint() names).")
+@click.option("--gate-n", type=int, default=1, show_default=True, help="Tries per gate task and policy.")
+@click.option("--gate-margin", type=float, default=0.1, show_default=True,
+              help="Mean reward a candidate may lose and still go live.")
+@click.option("--gate-confidence", type=float, default=0.9, show_default=True,
+              help="Confidence of the one-sided lower bound on the reward difference.")
 @errors
 def train_continuous(store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
-                     temperature, interval, max_updates, seed, loggers) -> None:
+                     temperature, interval, max_updates, seed, loggers, gate_path, gate_agent, gate_n, gate_margin,
+                     gate_confidence) -> None:
     """Keep training the served LoRA from production rollouts (mode prod) as their rewards arrive.
 
-    Example: lightning-rl train continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --reward-name user_feedback
+    With --gate-tasks and --gate-agent, each update is a candidate evaluated beside the live policy and
+    published only when not worse (docs/continuous-safety.md).
+
+    Example: lightning-rl train continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --reward-name user_feedback --gate-tasks held_out.jsonl --gate-agent my_pkg.agents:solve
     """
+    from .. import _api
     from ..trainer_bridge.config import LocalConfig
     from ..trainer_bridge.continuous import ContinuousTrainer
+    from ..trainer_bridge.runner import load_agent
 
-    trainer = ContinuousTrainer(
-        store=open_store(store), model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
-        min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
-        local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
-        loggers=list(loggers))
+    if bool(gate_path) != bool(gate_agent):
+        raise ConfigurationError("the gate needs both --gate-tasks FILE and --gate-agent module:function; got only "
+                                 f"{'--gate-tasks' if gate_path else '--gate-agent'}")
+    gate_tasks, solve = (read_tasks(gate_path), load_agent(gate_agent)) if gate_path else ((), None)
+    opened = open_store(store)
+    try:
+        trainer = ContinuousTrainer(
+            store=opened, model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
+            min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
+            local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
+            loggers=list(loggers), gate_tasks=gate_tasks, gate_agent=solve, gate_n=gate_n, gate_margin=gate_margin,
+            gate_confidence=gate_confidence)
+    except BaseException:
+        opened.close()
+        raise
+    if solve is not None:
+        _api.configure(store=opened)  # the gate agent's spans go to the store the gate reads
     trainer.start()
     click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
     trainer.run(interval=interval, max_updates=max_updates)

@@ -9,6 +9,12 @@ dropped and counted; only the calls the trainer can reproduce (to ``served_name`
 ``step()`` updates with an estimator that needs no groups (``batch_baseline`` by default) and publishes
 version + 1; ``run()`` does it without end.
 
+With ``gate_tasks`` and ``gate_agent``, an update is a *candidate*: saved under
+``out_dir/candidates/``, evaluated by the gate (``gate.py``, ``noninferiority.py``) beside the live
+policy, and published only when not worse; a refused candidate stays on disk, its batch counts as used,
+and training goes on from the live policy's weights (reloaded into the local model). The gate's figures
+and decision are in the log and the metrics line (``gate_*``).
+
 State is kept in ``out_dir/continuous_state.json`` (the stream's), so a restarted trainer resumes
 where it stopped, with the last published adapter; one stopped between a publish and saving its
 state resumes at the version it published, without training on that batch again.
@@ -16,18 +22,24 @@ state resumes at the version it published, without training on that batch again.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from .config import ConfigModel, Count, Credit, LocalConfig, Loggers, Name, NonNegativeInt
+from ..errors import ConfigurationError
+from .config import ConfigModel, Count, Credit, LocalConfig, Loggers, Name, NonNegativeInt, Positive
+from .gate import Gate
 from .local import LocalBackend, load_adapter
 from .loggers import MetricsLog, make_loggers, sample_rows
 from .publishers import Publisher, make_publisher, publish_and_record
 from .sources import ProductionStream, StepBatch
+
+log = logging.getLogger(__name__)
+Fraction = Annotated[float, Field(strict=True, ge=0.5, lt=1.0)]
 
 
 class ContinuousTrainer(ConfigModel):
@@ -52,13 +64,28 @@ class ContinuousTrainer(ConfigModel):
     publisher: Any = None  # default: vllm_lora for served_name, adapters in out_dir/adapters
     loggers: Loggers = ()  # experiment trackers beside metrics.jsonl (loggers.py)
     run_name: str | None = None
+    gate_tasks: Sequence[Any] = Field((), repr=False)  # the gate before going live (module doc); () : none
+    gate_agent: Callable[[Any], Any] | None = Field(None, repr=False)  # calls lrl.current_endpoint()'s model
+    gate_n: Count = Field(1, description="tries per gate task, for the candidate and the live policy each")
+    gate_margin: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)] = 0.1  # reward it may lose
+    gate_confidence: Fraction = 0.9  # of the one-sided lower bound (noninferiority.py)
+    gate_timeout: Positive = 120.0  # seconds per gate try
 
     _source: ProductionStream = PrivateAttr()
     _backend: LocalBackend | None = PrivateAttr(None)
     _publisher: Publisher | None = PrivateAttr(None)
     _metrics: MetricsLog | None = PrivateAttr(None)
+    _gate: Gate | None = PrivateAttr(None)
+    _live_adapter: str | None = PrivateAttr(None)  # where the live policy's weights are
 
     def model_post_init(self, context: Any) -> None:
+        if bool(self.gate_tasks) != (self.gate_agent is not None):
+            raise ConfigurationError("the gate needs both gate_tasks (held-out tasks) and gate_agent (the traced "
+                                     f"agent that runs them); got {len(self.gate_tasks)} task(s) and gate_agent="
+                                     f"{'set' if self.gate_agent is not None else 'None'}")
+        if self.gate_tasks and len(self.gate_tasks) * self.gate_n < 2:
+            raise ConfigurationError(f"the gate needs at least 2 tries per policy; got {len(self.gate_tasks)} task(s) "
+                                     f"x gate_n={self.gate_n}: give more gate tasks or raise gate_n")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._source = ProductionStream(
             self.store, state_path=self.out_dir / "continuous_state.json", served_name=self.served_name,
@@ -100,8 +127,15 @@ class ContinuousTrainer(ConfigModel):
         self._publisher = self.publisher or make_publisher(
             "vllm_lora", server_url=self.server_url, adapter_dir=adapters, served_name=self.served_name)
         version = max(self.version, 0)
-        publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
+        self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
         self._source.published(version)
+        if self.gate_tasks:
+            if self._live_adapter is None:
+                raise ConfigurationError("the gate reloads the live policy's weights after a refusal, and publisher= "
+                                         f"{self._publisher!r} returned no adapter path; return the saved folder")
+            self._gate = Gate(self.store, self.gate_agent, self.gate_tasks, server_url=self.server_url,
+                              served_name=self.served_name, n=self.gate_n, margin=self.gate_margin,
+                              confidence=self.gate_confidence, timeout=self.gate_timeout)
 
     def step(self) -> dict[str, Any] | None:
         """One check of the store; returns the update's metrics, or None when there is not enough."""
@@ -115,12 +149,23 @@ class ContinuousTrainer(ConfigModel):
         read = time.perf_counter()
         metrics = self._backend.update(batch.samples or [])
         trained = time.perf_counter()
-        version = self.version + 1
-        publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
-        self._source.published(version)
+        version = self._next_version()
+        gate: dict[str, Any] = {}
+        if self._gate is not None:
+            gate = self._judge(version)
+            gated = time.perf_counter()
+            gate["gate_seconds"] = gated - trained
+            trained = gated
+        if not gate or gate["gate_decision"] == "promoted":
+            self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
+            self._source.published(version)
+        else:  # refused: the batch is used, the live policy stays, and training goes on from its weights
+            self._source.discarded()
+            load_adapter(self._backend, self._live_adapter)
         published = time.perf_counter()
-        line = {"version": version, **batch.metrics, **metrics, "read_seconds": read - began,
-                "update_seconds": trained - read, "publish_seconds": published - trained, "time": time.time()}
+        line = {"version": self.version, **gate, **batch.metrics, **metrics, "read_seconds": read - began,
+                "update_seconds": trained - read - gate.get("gate_seconds", 0.0),
+                "publish_seconds": published - trained, "time": time.time()}
         if self._metrics is None:
             config = {"served_name": self.served_name, "min_new": self.min_new, "max_policy_lag": self.max_policy_lag,
                       "reward_name": self.reward_name, "credit": self.credit, "level": self.level, "seed": self.seed,
@@ -129,6 +174,27 @@ class ContinuousTrainer(ConfigModel):
                 self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
         self._metrics.write(line, version, sample_rows(batch.groups))
         return line
+
+    def _next_version(self) -> int:
+        """The candidate's version: one past every version this served name ever had (after a rollback,
+        past the versions rolled back from too)."""
+        recorded = [p.version for p in self.store.policies(self.served_name)]
+        return max([self.version, *recorded]) + 1
+
+    def _judge(self, version: int) -> dict[str, Any]:
+        """Save the candidate, run the gate, log its figures; returns them (``gate_*``) with the decision."""
+        folder = self.out_dir / "candidates"
+        tries = len(list(folder.glob(f"v{version:05d}.*"))) if folder.is_dir() else 0
+        path = (folder / f"v{version:05d}.{tries + 1}").resolve()
+        self._backend.adapter().save_pretrained(str(path))
+        test = self._gate.check(str(path), self.version)
+        decision = "promoted" if test.not_worse else "refused"
+        log.warning("lightning-rl gate: candidate v%d %s against live v%d: n=%d/%d, mean %.4f vs %.4f, difference "
+                    "%.4f, lower bound %.4f at %.0f%% (margin %.4f)", version, decision, self.version,
+                    test.n_candidate, test.n_live, test.mean_candidate, test.mean_live, test.difference,
+                    test.lower_bound, 100 * test.confidence, test.margin)
+        return {"gate_decision": decision, "gate_promoted": int(test.not_worse), "candidate_version": version, "candidate_adapter": str(path),
+                "live_version": self.version, **{f"gate_{k}": v for k, v in test.figures().items()}}
 
     def run(self, *, interval: float = 10.0, max_updates: int | None = None) -> None:
         """Update whenever enough fresh rollouts wait, checking every ``interval`` seconds."""
@@ -146,6 +212,8 @@ class ContinuousTrainer(ConfigModel):
 
     def close(self) -> None:
         self._source.close()
+        if self._gate is not None:
+            self._gate.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

@@ -33,12 +33,13 @@ class Publisher(Protocol):
 
 
 def publish_and_record(publisher: Publisher, store: Any, model: Any, version: int,
-                       trained_on: Sequence[str] | None = None) -> None:
+                       trained_on: Sequence[str] | None = None) -> str | None:
     """Publish ``version`` and record the publish in ``store`` once it is live, with the groups it was
-    trained on when given (a replay rebuilds the run's batches from them)."""
+    trained on when given (a replay rebuilds the run's batches from them). Returns the adapter's path."""
     adapter = publisher.publish(model, version)
     store.record_policy(publisher.served_name, version, adapter=None if adapter is None else str(adapter),
                         **({"trained_on": list(trained_on)} if trained_on is not None else {}))
+    return None if adapter is None else str(adapter)
 
 
 PUBLISHERS: Registry[Callable[..., Publisher]] = Registry(
@@ -83,6 +84,21 @@ def check_served(server_url: str, names: Sequence[str], timeout: float = 30.0) -
                                      f"another served name (its LoRA is loaded under it)")
 
 
+def load_served(server_url: str, served_name: str, adapter: str | Path, *, timeout: float = 120.0) -> None:
+    """Load the adapter folder ``adapter`` into the vLLM server at ``server_url`` under ``served_name``
+    (``load_inplace``: it replaces what that name served). The gate loads candidates with it; a rollback,
+    the live name's older adapter."""
+    base = server_url.rstrip("/").removesuffix("/v1")
+    _post(f"{base}/v1/load_lora_adapter", {"lora_name": served_name, "lora_path": str(adapter), "load_inplace": True},
+          timeout)
+
+
+def unload_served(server_url: str, served_name: str, *, timeout: float = 30.0) -> None:
+    """Unload ``served_name`` from the server (frees its LoRA slot); an error is raised as PublishError."""
+    base = server_url.rstrip("/").removesuffix("/v1")
+    _post(f"{base}/v1/unload_lora_adapter", {"lora_name": served_name}, timeout)
+
+
 def save_adapter(model: Any, adapter_dir: Path, version: int) -> str:
     """Save ``model``'s adapter (``save_pretrained``) as ``adapter_dir/vNNNNN``; returns its absolute path."""
     path = (adapter_dir / f"v{version:05d}").resolve()
@@ -119,8 +135,6 @@ class VLLMLoRAPublisher:
         """``model``: a PEFT model (``save_pretrained`` writes the adapter). Sets ``version`` for this
         process's tracer; returns the adapter's path."""
         path = save_adapter(model, self.adapter_dir, version)
-        _post(f"{self.server_url}/v1/load_lora_adapter",
-              {"lora_name": self.served_name, "lora_path": path, "load_inplace": True},
-              self.timeout)
+        load_served(self.server_url, self.served_name, path, timeout=self.timeout)
         tracing.set_policy_version(version, model=self.served_name)
         return path

@@ -322,6 +322,15 @@ class ProductionStream:
         self.state["taking"], self.state["taking_versions"] = [], {}
         self._save()
 
+    def discarded(self) -> None:
+        """The batch taken was trained on, but its version did not go live (the gate refused it): its
+        rollouts are used all the same, and the live version is unchanged."""
+        versions = self.state.get("taking_versions", {})
+        for rid in self.state["taking"]:
+            self.state["used"][rid] = versions.get(rid, self.version)
+        self.state["taking"], self.state["taking_versions"] = [], {}
+        self._save()
+
     def close(self) -> None:
         self._closed.set()
 
@@ -357,7 +366,8 @@ class ProductionStream:
             if traj.final_reward is None:
                 continue
             served = self.served_version(traj)
-            if self.version - served > self.max_policy_lag:
+            if self.version - served > self.max_policy_lag or served > self.version:  # > : served by a version
+                # that was rolled back (lightning-rl policies rollback): not the policy training goes on from
                 self.state["dropped"][rid] = served
                 dropped += 1
                 continue

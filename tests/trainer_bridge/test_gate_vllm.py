@@ -1,0 +1,86 @@
+"""The gate before going live, on a real vLLM server with real LoRA hot-loading: a candidate is served
+under its own name, evaluated beside the live policy, and refused or promoted."""
+
+from __future__ import annotations
+
+import openai
+import peft
+import pytest
+import torch
+
+import lightning_rl as lrl
+from lightning_rl.tracer import tracing
+from lightning_rl.trainer_bridge.config import LocalConfig
+from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
+
+from ..conftest import ensure_tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _weights(backend):
+    return {k: v.clone() for k, v in peft.get_peft_model_state_dict(
+        backend.model, adapter_name=backend.adapter().name).items()}
+
+
+def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url, tmp_path):
+    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
+    answered: list[str] = []  # the served name each gate call was answered by
+    candidate_reward = {"value": 0.0}
+
+    @lrl.trace(mode="prod")
+    def production_agent(question):
+        r = client.chat.completions.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": question}])
+        return r.choices[0].message.content
+
+    @lrl.trace
+    def gate_agent(task):
+        base_url, model = lrl.current_endpoint()
+        r = openai.OpenAI(base_url=base_url, api_key="EMPTY").chat.completions.create(
+            model=model, max_tokens=2, temperature=0, messages=[{"role": "user", "content": task}])
+        answered.append(r.model)
+        lrl.emit_reward(1.0 if r.model == "policy" else candidate_reward["value"])
+
+    trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                                out_dir=tmp_path / "ct", min_new=2, max_policy_lag=2,
+                                local=LocalConfig(adv_estimator="batch_baseline", lr=1e-2),
+                                gate_tasks=["a", "b", "c"], gate_agent=gate_agent, gate_margin=0.1)
+
+    def traffic(k):
+        for i in range(2):
+            production_agent(f"What is {k}+{i}?")
+        for r in traced.rollouts(mode="prod", newest_first=True, limit=2):
+            traced.add_reward(r.rollout_id, float(k % 2))
+
+    try:
+        trainer.start()
+        live = _weights(trainer.backend)
+        traffic(1)
+        update = trainer.step()  # the candidate scores 0 where live scores 1: refused
+        assert sorted(answered) == ["policy"] * 3 + ["policy-candidate"] * 3  # served under its own name
+        assert update["gate_decision"] == "refused" and update["gate_promoted"] == 0
+        assert update["candidate_version"] == 1 and update["version"] == 0 and trainer.version == 0
+        assert (update["gate_n_candidate"], update["gate_mean_candidate"], update["gate_mean_live"]) == (3, 0.0, 1.0)
+        assert update["gate_lower_bound"] == -1.0 and not update["gate_not_worse"]
+        assert [p.version for p in traced.policies("policy")] == [0]  # nothing published
+        assert (tmp_path / "ct" / "candidates" / "v00001.1" / "adapter_config.json").is_file()  # kept on disk
+        assert not (tmp_path / "ct" / "adapters" / "v00001").exists()
+        after = _weights(trainer.backend)
+        assert all(torch.equal(live[k], after[k]) for k in live)  # training goes on from the live weights
+        assert trainer.step() is None  # the refused batch is used, not trained on again
+        assert all(r.mode == "eval" for r in traced.rollouts() if r.rollout_id.startswith("gate-"))
+
+        candidate_reward["value"] = 1.0
+        answered.clear()
+        traffic(2)
+        update = trainer.step()  # equal on every task: promoted, the live figure of version 0 reused
+        assert answered == ["policy-candidate"] * 3
+        assert update["gate_decision"] == "promoted" and update["gate_lower_bound"] == 0.0
+        assert update["candidate_version"] == 1 and update["version"] == 1 and trainer.version == 1
+        assert [p.version for p in traced.policies("policy")] == [0, 1]
+        assert (tmp_path / "ct" / "candidates" / "v00001.2").is_dir()
+        lines = (tmp_path / "ct" / "metrics.jsonl").read_text().splitlines()
+        assert [x.count('"gate_decision"') for x in lines] == [1, 1]
+    finally:
+        trainer.close()
+        tracing._policy_versions.pop("policy", None)
