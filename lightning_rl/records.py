@@ -276,6 +276,29 @@ class PolicyRecord(_Record):
     trained_on: list[str] | None = None
 
 
+class Decision(StrEnum):
+    """What was decided about a served name's policy (``PolicyDecision``)."""
+
+    EVALUATED = "evaluated"  # the gate measured a candidate beside the live policy (its figures)
+    PROMOTED = "promoted"  # the candidate went live (its publish is the policy record beside it)
+    REFUSED = "refused"  # the candidate was not published; the live policy stayed
+    ROLLED_BACK = "rolled_back"  # an earlier version was made live again (by hand, or by the watch)
+
+
+class PolicyDecision(_Record):
+    """A decision about ``served_name``'s policy, kept next to its publishes (``PolicyRecord``): the gate's
+    figures, a promotion, a refusal, a rollback."""
+
+    served_name: str = Field(min_length=1)
+    version: NonNegativeInt64  # the candidate judged, or the version rolled back to
+    decision: Decision
+    live_version: NonNegativeInt64 | None = None  # what was live when it was decided (compared with, rolled back from)
+    adapter: str | None = None  # the candidate's (or the restored version's) adapter folder
+    figures: dict[str, float | int | bool | str | None] = Field(default_factory=dict)  # the test's (gate_*)
+    reason: str | None = None
+    time: float = Field(default_factory=time.time)
+
+
 class QuarantinedRecord(_Record):
     """A record a store set aside because it could not be written (a value SQLite cannot hold, a
     payload from another version), kept with the reason and its original form so nothing is lost.

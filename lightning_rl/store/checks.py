@@ -7,7 +7,8 @@ so a value refused locally is refused over HTTP with the same words).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,7 +21,7 @@ from ..errors import (
     check_reward,
     shown,
 )
-from ..records import PolicyRecord, Reward, RewardSource, RolloutQuery, RolloutStatus
+from ..records import Decision, PolicyDecision, PolicyRecord, Reward, RewardSource, RolloutQuery, RolloutStatus
 from ..settings import check_mode
 
 
@@ -93,6 +94,27 @@ def policy_record(served_name: Any, version: Any, *, adapter: str | None, time: 
         trained_on = list(trained_on)
     return PolicyRecord(served_name=served_name, version=version, adapter=adapter, trained_on=trained_on,
                         **({"time": time} if time is not None else {}))
+
+
+def decision_record(served_name: Any, version: Any, decision: Any, *, live_version: Any = None,
+                    adapter: str | None = None, figures: Mapping[str, Any] | None = None, reason: str | None = None,
+                    time: float | None = None) -> PolicyDecision:
+    """The record ``record_decision`` stores."""
+    if not isinstance(served_name, str) or not served_name:
+        raise ConfigurationError(f"served_name must be the model name agents request, got {shown(served_name)}")
+    check_count(version, "policy version")
+    check_count(live_version, "live policy version", optional=True)
+    if decision not in {d.value for d in Decision}:
+        raise ConfigurationError(f"decision must be one of {[d.value for d in Decision]}, got {shown(decision)}")
+    figures = dict(figures or {})
+    bad = [k for k, v in figures.items() if not isinstance(k, str) or not (v is None or isinstance(v, (int, float, str)))
+           or (isinstance(v, float) and not math.isfinite(v))]
+    if bad:
+        raise ConfigurationError(f"figures must map names to finite numbers, text or None; {shown(bad[0])} holds "
+                                 f"{shown(figures[bad[0]])}")
+    return PolicyDecision(served_name=served_name, version=version, decision=Decision(decision),
+                          live_version=live_version, adapter=adapter, figures=figures, reason=reason,
+                          **({"time": time} if time is not None else {}))
 
 
 def check_task(task: Any, *, mode: str, max_tries: Any) -> None:

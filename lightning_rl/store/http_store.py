@@ -47,7 +47,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -62,6 +62,7 @@ from ..errors import (
     TaskNotSerializableError,
 )
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     QuarantinedRecord,
     QueueEntry,
@@ -392,6 +393,18 @@ class HttpStore:
     def latest_policies(self) -> dict[str, PolicyRecord]:
         found = [PolicyRecord.model_validate(x) for x in self._request("GET", "/policies", params=dict(latest="true"))]
         return {p.served_name: p for p in found}
+
+    def record_decision(self, served_name: str, version: int, decision: str, *, live_version: int | None = None,
+                        adapter: str | None = None, figures: Mapping[str, Any] | None = None,
+                        reason: str | None = None, time: float | None = None) -> PolicyDecision:
+        record = checks.decision_record(served_name, version, decision, live_version=live_version, adapter=adapter,
+                                        figures=figures, reason=reason, time=time)
+        self._request("POST", "/decisions", json=record.model_dump(mode="json", exclude={"schema_version"}))
+        return record
+
+    def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
+        return [PolicyDecision.model_validate(x) for x in self._request("GET", "/decisions",
+                                                                        params=dict(served_name=served_name))]
 
     # -- TaskQueue (the server's) -------------------------------------------------------------------
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..diagnostics import count
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     QuarantinedRecord,
     QueueEntry,
@@ -58,6 +59,7 @@ class InMemoryStore:
         self._reward_uids: set[str] = set()
         self._reward_log: list[tuple[str | None, str | None]] = []  # (rollout_id, name) in arrival order
         self._policies: list[PolicyRecord] = []
+        self._decisions: list[PolicyDecision] = []
         self._queue: dict[str, QueueEntry] = {}
         self._qlock = threading.Lock()
         self._quarantine: list[QuarantinedRecord] = []
@@ -308,6 +310,20 @@ class InMemoryStore:
         with self._lock:
             latest = {p.served_name: p for p in self._policies}
         return {name: p.model_copy(deep=True) for name, p in latest.items()}
+
+    def record_decision(self, served_name: str, version: int, decision: str, *, live_version: int | None = None,
+                        adapter: str | None = None, figures: Mapping[str, Any] | None = None,
+                        reason: str | None = None, time: float | None = None) -> PolicyDecision:
+        record = checks.decision_record(served_name, version, decision, live_version=live_version, adapter=adapter,
+                                        figures=figures, reason=reason, time=time)
+        with self._lock:
+            self._decisions.append(record.model_copy(deep=True))
+        return record
+
+    def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
+        with self._lock:
+            found = [d for d in self._decisions if served_name is None or d.served_name == served_name]
+        return [d.model_copy(deep=True) for d in found]
 
 
 class _QueueView:

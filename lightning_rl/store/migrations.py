@@ -295,3 +295,11 @@ def _reward_sums(db: sqlite_utils.Database) -> None:
                  "WHEN EXISTS (SELECT 1 FROM rewards WHERE rollout_id = NEW.rollout_id AND name = 'reward') BEGIN "
                  "UPDATE rollouts SET (reward_sum, reward_count) = (SELECT sum(value), count(*) FROM rewards "
                  "WHERE rollout_id = NEW.rollout_id AND name = 'reward') WHERE rollout_id = NEW.rollout_id; END")
+
+
+@migration(12, "policy decisions: the gate's figures, promotions, refusals and rollbacks, next to the publishes")
+def _decisions(db: sqlite_utils.Database) -> None:
+    db.conn.execute("CREATE TABLE IF NOT EXISTS decisions (decision_id INTEGER PRIMARY KEY, served_name TEXT NOT NULL, "
+                    "version INTEGER NOT NULL, decision TEXT NOT NULL, live_version INTEGER, adapter TEXT, "
+                    "figures TEXT NOT NULL, reason TEXT, time FLOAT NOT NULL)")
+    db.conn.execute("CREATE INDEX IF NOT EXISTS decisions_name ON decisions (served_name, decision_id)")

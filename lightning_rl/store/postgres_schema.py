@@ -125,6 +125,16 @@ def _initial(cur: Any) -> None:
                 "EXECUTE FUNCTION lightning_rl_rollout_added()")
 
 
+@migration(2, "policy decisions: the gate's figures, promotions, refusals and rollbacks, next to the publishes")
+def _decisions(cur: Any) -> None:
+    cur.execute(f"""
+        CREATE TABLE decisions (
+            decision_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, served_name {T} NOT NULL,
+            version bigint NOT NULL, decision {T} NOT NULL, live_version bigint, adapter {T}, figures {T} NOT NULL,
+            reason {T}, time double precision NOT NULL)""")
+    cur.execute("CREATE INDEX decisions_name ON decisions (served_name, decision_id)")
+
+
 def _tables(cur: Any, schema: str) -> list[str]:
     cur.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = %s ORDER BY table_name",
                 (schema,))

@@ -27,6 +27,7 @@ import orjson
 from .. import semconv
 from ..diagnostics import count
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     QueueEntry,
     QueueStatus,
@@ -42,6 +43,9 @@ from ..records import (
 from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
 from .postgres_schema import LOCK_REWARDS
 from .rows import (
+    DECISION_COLUMNS,
+    decision_from_row,
+    decision_values,
     QUEUE_COLUMNS,
     REWARD_COLUMNS,
     ROLLOUT_COLUMNS,
@@ -220,6 +224,18 @@ def insert_policy(cur: Any, record: PolicyRecord) -> None:
     cur.execute("INSERT INTO policies (served_name, version, adapter, time, trained_on) VALUES (%s, %s, %s, %s, %s)",
                 (record.served_name, record.version, record.adapter, record.time,
                  None if record.trained_on is None else orjson.dumps(record.trained_on).decode()))
+
+
+def insert_decision(cur: Any, record: PolicyDecision) -> None:
+    cur.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({', '.join(['%s'] * len(DECISION_COLUMNS))})",
+                decision_values(record))
+
+
+def query_decisions(conn: Any, served_name: str | None) -> list[PolicyDecision]:
+    sql, params = f"SELECT {', '.join(DECISION_COLUMNS)} FROM decisions", []
+    if served_name is not None:
+        sql, params = sql + " WHERE served_name = %s", [served_name]
+    return [decision_from_row(r) for r in _rows(conn, sql + " ORDER BY decision_id", params)]
 
 
 # -- reads --------------------------------------------------------------------------------------------

@@ -26,13 +26,14 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..errors import ConfigurationError, MissingDependencyError, StoreError
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     QuarantinedRecord,
     QueueEntry,
@@ -476,3 +477,24 @@ class PostgresStore:
     def latest_policies(self) -> dict[str, PolicyRecord]:
         return {p.served_name: p for p in self._with(lambda conn: sql.query_policies(conn, None, latest=True),
                                                      what="latest_policies")}
+
+    def record_decision(self, served_name: str, version: int, decision: str, *, live_version: int | None = None,
+                        adapter: str | None = None, figures: Mapping[str, Any] | None = None,
+                        reason: str | None = None, time: float | None = None) -> PolicyDecision:
+        if self._durable is None:
+            raise checks.read_only("record_decision", self.shown)
+        record = checks.decision_record(served_name, version, decision, live_version=live_version, adapter=adapter,
+                                        figures=figures, reason=reason, time=time)
+
+        def insert(conn: Any) -> None:
+            with conn.cursor() as cur:  # a retry after a lost commit finds its own record: kept once
+                cur.execute("SELECT 1 FROM decisions WHERE served_name = %s AND version = %s AND decision = %s AND "
+                            "time = %s", (record.served_name, record.version, record.decision.value, record.time))
+                if cur.fetchone() is None:
+                    sql.insert_decision(cur, record)
+
+        self._txn(insert, what="record_decision")
+        return record
+
+    def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
+        return self._with(lambda conn: sql.query_decisions(conn, served_name), what="decisions")

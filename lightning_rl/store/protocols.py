@@ -9,7 +9,8 @@ store asks for that part.
   a scan in the memory store; ``store/scan.py``).
 * ``RewardLog``: late rewards (user feedback) and the rewards a poller has not seen.
 * ``TaskQueue``: tasks tried n times, leased to runners (the rules: ``store/task_queue.py``).
-* ``PolicyLog``: which weights each served name answers with.
+* ``PolicyLog``: which weights each served name answers with, and the decisions about them (the gate's,
+  rollbacks).
 * ``Store``: all of them, plus ingest, erasure, the quarantine and closing.
 
 What is derived from these (trajectories, samples, id prefixes, the idle sweep, waiting for groups)
@@ -19,10 +20,11 @@ is a function over the protocol it needs, in ``store/queries.py``, written once 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     QuarantinedRecord,
     QueueEntry,
@@ -146,6 +148,17 @@ class PolicyLog(Protocol):
 
     def latest_policies(self) -> dict[str, PolicyRecord]:
         """The latest publish of each served name: what it answers with now."""
+        ...
+
+    def record_decision(self, served_name: str, version: int, decision: str, *, live_version: int | None = None,
+                        adapter: str | None = None, figures: Mapping[str, Any] | None = None,
+                        reason: str | None = None, time: float | None = None) -> PolicyDecision:
+        """Record a decision about ``served_name``'s policy (``Decision``: evaluated, promoted, refused,
+        rolled_back) with its figures, next to the publishes. Durable on return."""
+        ...
+
+    def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
+        """Every recorded decision (about ``served_name``, or all), oldest first."""
         ...
 
 

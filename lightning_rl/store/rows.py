@@ -12,6 +12,7 @@ from ..diagnostics import count, report_failure
 from ..records import (
     SCHEMA_VERSION,
     PackedTokens,
+    PolicyDecision,
     QueueEntry,
     Reward,
     Rollout,
@@ -38,6 +39,19 @@ ROLLOUT_COLUMNS = (
     "start_time", "end_time", "error", "origin",
 )
 REWARD_COLUMNS = ("rollout_id", "name", "value", "llm_call_index", "agent", "source", "time", "uid")
+DECISION_COLUMNS = ("served_name", "version", "decision", "live_version", "adapter", "figures", "reason", "time")
+
+
+def decision_values(record: PolicyDecision) -> tuple:
+    """A decision as its row (``DECISION_COLUMNS``; the figures as JSON text)."""
+    return (record.served_name, record.version, record.decision.value, record.live_version, record.adapter,
+            orjson.dumps(record.figures).decode(), record.reason, record.time)
+
+
+def decision_from_row(row: Any) -> PolicyDecision:
+    values = dict(zip(DECISION_COLUMNS, row))
+    values["figures"] = orjson.loads(values["figures"]) if values["figures"] else {}
+    return PolicyDecision(**values)
 
 
 def _dumps(value: Any) -> str:

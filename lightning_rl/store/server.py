@@ -51,7 +51,7 @@ except ImportError as exc:  # the server is an extra; clients need only the core
     ) from None
 from ..boundaries import INT64_MAX
 from ..diagnostics import counters
-from ..records import PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
+from ..records import PolicyDecision, PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
 from ..settings import ENV_SERVER_WORKER, check_synchronous
 from . import wire
 from ..serving import STORE_SERVER, BackgroundService, run
@@ -306,6 +306,21 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         record = await anyio.to_thread.run_sync(lambda: store.record_policy(
             data.served_name, data.version, adapter=data.adapter, time=data.time, trained_on=data.trained_on))
         return _json(_policy_json(record))
+
+    @app.post(f"{p}/decisions", response_model=PolicyDecision, openapi_extra=_body_schema(wire.DecisionIn))
+    async def record_decision(request: Request) -> Response:
+        """Record a decision about a served name's policy (the gate's, a rollback), durable on return."""
+        data = await body_of(request, wire.DecisionIn)
+        record = await anyio.to_thread.run_sync(lambda: store.record_decision(
+            data.served_name, data.version, data.decision, live_version=data.live_version, adapter=data.adapter,
+            figures=data.figures, reason=data.reason, time=data.time))
+        return _json(record.model_dump(mode="json"))
+
+    @app.get(f"{p}/decisions", response_model=list[PolicyDecision])
+    async def decisions(served_name: str | None = None) -> Response:
+        """Recorded decisions, oldest first (of ``served_name``, or all)."""
+        found = await anyio.to_thread.run_sync(lambda: store.decisions(served_name))
+        return _json([r.model_dump(mode="json") for r in found])
 
     @app.get(f"{p}/policies", response_model=list[PolicyRecord])
     async def policies(served_name: str | None = None, latest: bool = False) -> Response:

@@ -14,6 +14,7 @@ import orjson
 
 from .. import semconv
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     Reward,
     Rollout,
@@ -23,6 +24,8 @@ from ..records import (
     Span,
 )
 from .rows import (
+    DECISION_COLUMNS,
+    decision_from_row,
     REWARD_COLUMNS,
     ROLLOUT_COLUMNS,
     SPAN_COLUMNS,
@@ -167,3 +170,17 @@ def query_policies(conn: sqlite3.Connection, served_name: str | None, *, latest:
     rows = conn.execute(sql + " ORDER BY publish_id", params).fetchall()
     return [PolicyRecord(served_name=n, version=v, adapter=a, time=t, trained_on=None if g is None else orjson.loads(g))
             for n, v, a, t, g in rows]
+
+
+def query_decisions(conn: sqlite3.Connection, served_name: str | None) -> list[PolicyDecision]:
+    """In the order they were recorded."""
+    sql, params = f"SELECT {', '.join(DECISION_COLUMNS)} FROM decisions", []
+    if served_name is not None:
+        sql, params = sql + " WHERE served_name = ?", [served_name]
+    try:
+        rows = conn.execute(sql + " ORDER BY decision_id", params).fetchall()
+    except sqlite3.OperationalError as exc:  # a store of schema 11 opened read-only (the viewer never migrates)
+        if "no such table" in str(exc):
+            return []
+        raise
+    return [decision_from_row(r) for r in rows]

@@ -25,13 +25,14 @@ import datetime as dt
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, StoreError
 from ..records import (
+    PolicyDecision,
     PolicyRecord,
     QuarantinedRecord,
     QueueEntry,
@@ -65,7 +66,7 @@ from .ops import (
 from .quarantine import insert_quarantine, is_record_error, read_quarantine
 from .rows import span_record_values
 from .spill import SpillFiles, forget_claims, spill_files_in
-from .sqlite_writes import QueueView, apply_ops, insert_policy
+from .sqlite_writes import QueueView, apply_ops, insert_decision, insert_policy
 from .tokens import PrefixSharer
 
 
@@ -414,3 +415,15 @@ class SQLiteStore:
     def latest_policies(self) -> dict[str, PolicyRecord]:
         with self._rlock:
             return {p.served_name: p for p in sql.query_policies(self._rconn, None, latest=True)}
+
+    def record_decision(self, served_name: str, version: int, decision: str, *, live_version: int | None = None,
+                        adapter: str | None = None, figures: Mapping[str, Any] | None = None,
+                        reason: str | None = None, time: float | None = None) -> PolicyDecision:
+        record = checks.decision_record(served_name, version, decision, live_version=live_version, adapter=adapter,
+                                        figures=figures, reason=reason, time=time)
+        self._queue_txn(lambda view: insert_decision(view.conn, record))  # durable on return, as a publish
+        return record
+
+    def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
+        with self._rlock:
+            return sql.query_decisions(self._rconn, served_name)

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from ..diagnostics import count
-from ..records import PolicyRecord, QueueEntry, QueueStatus, RolloutStatus, allowed_from
+from ..records import PolicyDecision, PolicyRecord, QueueEntry, QueueStatus, RolloutStatus, allowed_from
 from .ops import (
     EncodedSpan,
     ExpireTry,
@@ -26,6 +26,8 @@ from .ops import (
 )
 from .quarantine import insert_quarantine
 from .rows import (
+    DECISION_COLUMNS,
+    decision_values,
     QUEUE_COLUMNS,
     REWARD_COLUMNS,
     ROLLOUT_COLUMNS,
@@ -122,6 +124,11 @@ def insert_policy(conn: sqlite3.Connection, record: PolicyRecord) -> None:
     conn.execute("INSERT INTO policies (served_name, version, adapter, time, trained_on) VALUES (?, ?, ?, ?, ?)",
                  (record.served_name, record.version, record.adapter, record.time,
                   None if record.trained_on is None else orjson.dumps(record.trained_on).decode()))
+
+
+def insert_decision(conn: sqlite3.Connection, record: PolicyDecision) -> None:
+    conn.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({', '.join('?' * len(DECISION_COLUMNS))})",
+                 decision_values(record))
 
 
 class QueueView:

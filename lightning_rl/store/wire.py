@@ -174,6 +174,21 @@ class CompleteIn(_Wire):
     outcome: RolloutStatus
 
 
+class DecisionIn(_Wire):
+    """A decision about ``served_name``'s policy (``records.PolicyDecision``): the gate's figures, a
+    promotion, a refusal or a rollback."""
+
+    served_name: str = Field(min_length=1, max_length=256)
+    version: NonNegativeInt64
+    decision: Literal["evaluated", "promoted", "refused", "rolled_back"]
+    live_version: NonNegativeInt64 | None = None
+    adapter: str | None = Field(None, max_length=4096)
+    figures: dict[Annotated[str, Field(max_length=256)], float | int | bool | Annotated[str, Field(max_length=4096)] | None] = Field(
+        default_factory=dict, max_length=256)
+    reason: str | None = Field(None, max_length=4096)
+    time: float | None = None
+
+
 class PolicyIn(_Wire):
     """A publish: ``served_name`` answers with weights ``version`` (an adapter path, if any) from now on,
     trained on the rollout groups ``trained_on``."""

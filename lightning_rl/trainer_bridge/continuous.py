@@ -157,11 +157,15 @@ class ContinuousTrainer(ConfigModel):
             gate["gate_seconds"] = gated - trained
             trained = gated
         if not gate or gate["gate_decision"] == "promoted":
+            live = self.version
             self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
             self._source.published(version)
+            if gate:
+                self._record(gate, "promoted", live)
         else:  # refused: the batch is used, the live policy stays, and training goes on from its weights
             self._source.discarded()
             load_adapter(self._backend, self._live_adapter)
+            self._record(gate, "refused", self.version)
         published = time.perf_counter()
         line = {"version": self.version, **gate, **batch.metrics, **metrics, "read_seconds": read - began,
                 "update_seconds": trained - read - gate.get("gate_seconds", 0.0),
@@ -189,12 +193,23 @@ class ContinuousTrainer(ConfigModel):
         self._backend.adapter().save_pretrained(str(path))
         test = self._gate.check(str(path), self.version)
         decision = "promoted" if test.not_worse else "refused"
+        figures = {f"gate_{k}": v for k, v in test.figures().items()}
+        self.store.record_decision(self.served_name, version, "evaluated", live_version=self.version, adapter=str(path),
+                                   figures=figures)
         log.warning("lightning-rl gate: candidate v%d %s against live v%d: n=%d/%d, mean %.4f vs %.4f, difference "
                     "%.4f, lower bound %.4f at %.0f%% (margin %.4f)", version, decision, self.version,
                     test.n_candidate, test.n_live, test.mean_candidate, test.mean_live, test.difference,
                     test.lower_bound, 100 * test.confidence, test.margin)
-        return {"gate_decision": decision, "gate_promoted": int(test.not_worse), "candidate_version": version, "candidate_adapter": str(path),
-                "live_version": self.version, **{f"gate_{k}": v for k, v in test.figures().items()}}
+        return {"gate_decision": decision, "gate_promoted": int(test.not_worse), "candidate_version": version,
+                "candidate_adapter": str(path), "live_version": self.version, **figures}
+
+    def _record(self, gate: dict[str, Any], decision: str, live_version: int) -> None:
+        """The gate's decision as a store record, with its figures, beside the publishes."""
+        figures = {k: v for k, v in gate.items() if k.startswith("gate_") and k != "gate_decision"}
+        bound, margin = gate["gate_lower_bound"], gate["gate_margin"]
+        reason = f"lower bound {bound:.4f} {'>=' if decision == 'promoted' else '<'} -margin {-margin:.4f}"
+        self.store.record_decision(self.served_name, gate["candidate_version"], decision, live_version=live_version,
+                                   adapter=gate["candidate_adapter"], figures=figures, reason=reason)
 
     def run(self, *, interval: float = 10.0, max_updates: int | None = None) -> None:
         """Update whenever enough fresh rollouts wait, checking every ``interval`` seconds."""

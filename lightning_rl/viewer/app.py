@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..boundaries import INT64_MAX, header_secret, secret_matches
-from ..errors import ConfigurationError, RolloutNotFoundError
+from ..errors import ConfigurationError, LightningRLError, RolloutNotFoundError
 from ..records import RolloutQuery
 from ..serving import VIEWER, BackgroundService, check_bind, run
 from ..store.queries import trajectory as assemble_trajectory
@@ -133,7 +133,9 @@ CURVES = (  # (chart title, metrics-line key), one curve per policy where a team
     ("reward (train)", "train_reward"), ("success (held out)", "eval_success"), ("loss", "loss"),
     ("clip fraction", "pg_clipfrac"), ("staleness (mean versions behind)", "staleness"),
     ("engine/trainer log-prob gap", "engine_logprob_gap"), ("reward (policy's samples)", "reward_mean"),
+    ("gate: lower bound of the reward difference", "gate_lower_bound"), ("gate: promoted (1) or refused (0)", "gate_promoted"),
 )
+MAX_DECISIONS = 50  # the newest policy decisions the training page lists
 
 
 def _value(line: dict[str, Any], key: str) -> float | None:
@@ -258,7 +260,11 @@ def create_app(store: Any, *, metrics_dir: str | Path | None = None, tokenizer: 
             note = f"Runs under {metrics}:"
         chosen = run if run in runs else (next(iter(runs)) if runs else None)
         charts = training_charts(runs[chosen]) if chosen else []
-        return HTMLResponse(pages.training_page(list(runs), chosen, charts, note))
+        try:
+            decisions = store.decisions()[-MAX_DECISIONS:][::-1]
+        except LightningRLError:  # a store server from before decisions were recorded
+            decisions = []
+        return HTMLResponse(pages.training_page(list(runs), chosen, charts, note, decisions))
 
     @app.get("/health")
     def health() -> dict[str, Any]:

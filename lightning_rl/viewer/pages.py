@@ -340,9 +340,25 @@ def svg_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], w
             f"{axes}{''.join(lines)}<text x='{pad + 4}' y='{height + 10}' font-size='11'>{''.join(legend)}</text></svg></div>")
 
 
-def training_page(runs: Sequence[str], chosen: str | None, charts: Sequence[str], note: str) -> str:
+def decisions_table(decisions: Sequence[Any]) -> str:
+    """The policy decisions in the store (the gate's, rollbacks), newest first."""
+    if not decisions:
+        return ""
+    rows = "".join(
+        f"<tr><td>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(d.time)))}</td><td>{e(d.served_name)}</td>"
+        f"<td class='num'>{e(d.version)}</td><td>{e(d.decision.value)}</td><td class='num'>{e(d.live_version)}</td>"
+        f"<td class='num'>{e(fmt(d.figures.get('gate_mean_candidate'), 4))} / {e(fmt(d.figures.get('gate_mean_live'), 4))}"
+        f"</td><td class='num'>{e(fmt(d.figures.get('gate_lower_bound'), 4))}</td><td>{e(d.reason or '')}</td></tr>"
+        for d in decisions)
+    return ("<h2>Policy decisions</h2><table id='decisions'><tr><th>Time (UTC)</th><th>Served name</th><th>Version</th>"
+            "<th>Decision</th><th>Live</th><th>Mean reward (candidate / live)</th><th>Lower bound</th><th>Reason</th></tr>"
+            f"{rows}</table>")
+
+
+def training_page(runs: Sequence[str], chosen: str | None, charts: Sequence[str], note: str,
+                  decisions: Sequence[Any] = ()) -> str:
     options = "".join(f"<li><a href='{e(link('/training', {'run': r}))}'>{'<b>' if r == chosen else ''}"
                       f"{e(r)}{'</b>' if r == chosen else ''}</a></li>" for r in runs)
     body = (f"<h1>Training</h1><p>{e(note)}</p><ul id='runs'>{options}</ul>"
-            f"<div class='charts'>{''.join(charts) or '<p>No metrics to draw.</p>'}</div>")
+            f"<div class='charts'>{''.join(charts) or '<p>No metrics to draw.</p>'}</div>{decisions_table(decisions)}")
     return page("Training", body)

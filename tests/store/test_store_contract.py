@@ -140,3 +140,31 @@ def test_token_arrays_given_as_attributes_are_kept_as_attributes_and_read_as_the
     assert stored.tokens is None and stored.attributes[semconv.PROMPT_TOKEN_IDS] == [5, 6]
     (call,) = lrl.trajectory(store, "r1").llm_calls
     assert (call.prompt_token_ids, call.response_token_ids, call.response_logprobs) == ([5, 6], [7], [-0.25])
+
+
+def test_decisions_are_kept_beside_the_publishes_with_their_figures(store):
+    """The gate's and operators' decisions (issue 36): every store keeps them in order, with their figures,
+    and they never count as publishes (the latest publish stays what the served name answers with)."""
+    from lightning_rl.errors import ConfigurationError
+    from lightning_rl.records import Decision
+
+    store.record_policy("policy", 0, adapter="/a/v00000")
+    figures = {"gate_n_candidate": 3, "gate_mean_candidate": 0.25, "gate_df": None, "gate_not_worse": False}
+    store.record_decision("policy", 1, "evaluated", live_version=0, adapter="/c/v00001.1", figures=figures, time=10.0)
+    store.record_decision("policy", 1, Decision.REFUSED, live_version=0, adapter="/c/v00001.1", figures=figures,
+                          reason="lower bound -0.4 < -0.1", time=11.0)
+    store.record_decision("other", 4, "promoted", live_version=3)
+    store.record_decision("policy", 0, "rolled_back", live_version=2, adapter="/a/v00000", reason="by hand")
+    found = store.decisions("policy")
+    assert [(d.version, d.decision, d.live_version) for d in found] == [
+        (1, Decision.EVALUATED, 0), (1, Decision.REFUSED, 0), (0, Decision.ROLLED_BACK, 2)]
+    assert found[0].figures == figures and found[0].time == 10.0 and found[0].adapter == "/c/v00001.1"
+    assert isinstance(found[0].figures["gate_not_worse"], bool) and isinstance(found[0].figures["gate_n_candidate"], int)
+    assert found[1].reason == "lower bound -0.4 < -0.1" and found[2].figures == {}
+    assert [d.served_name for d in store.decisions()] == ["policy", "policy", "other", "policy"]
+    assert [p.version for p in store.policies("policy")] == [0]  # decisions are not publishes
+    with pytest.raises(ConfigurationError, match="decision must be one of"):
+        store.record_decision("policy", 1, "maybe")
+    with pytest.raises(ConfigurationError, match="figures"):
+        store.record_decision("policy", 1, "evaluated", figures={"gate_lower_bound": math.nan})
+    assert len(store.decisions()) == 4

@@ -63,6 +63,10 @@ def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url
         assert (update["gate_n_candidate"], update["gate_mean_candidate"], update["gate_mean_live"]) == (3, 0.0, 1.0)
         assert update["gate_lower_bound"] == -1.0 and not update["gate_not_worse"]
         assert [p.version for p in traced.policies("policy")] == [0]  # nothing published
+        decided = traced.decisions("policy")  # the decision, with its figures, beside the publishes
+        assert [(d.version, d.decision, d.live_version) for d in decided] == [(1, "evaluated", 0), (1, "refused", 0)]
+        assert decided[1].figures["gate_lower_bound"] == -1.0 and decided[1].figures["gate_promoted"] == 0
+        assert decided[1].adapter == update["candidate_adapter"] and "< -margin" in decided[1].reason
         assert (tmp_path / "ct" / "candidates" / "v00001.1" / "adapter_config.json").is_file()  # kept on disk
         assert not (tmp_path / "ct" / "adapters" / "v00001").exists()
         after = _weights(trainer.backend)
@@ -78,6 +82,8 @@ def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url
         assert update["gate_decision"] == "promoted" and update["gate_lower_bound"] == 0.0
         assert update["candidate_version"] == 1 and update["version"] == 1 and trainer.version == 1
         assert [p.version for p in traced.policies("policy")] == [0, 1]
+        assert [(d.version, d.decision) for d in traced.decisions("policy")][2:] == [(1, "evaluated"), (1, "promoted")]
+        assert traced.decisions("policy")[-1].figures["gate_mean_candidate"] == 1.0
         assert (tmp_path / "ct" / "candidates" / "v00001.2").is_dir()
         lines = (tmp_path / "ct" / "metrics.jsonl").read_text().splitlines()
         assert [x.count('"gate_decision"') for x in lines] == [1, 1]

@@ -141,3 +141,14 @@ def test_each_tracker_gets_the_training_curves_and_sample_tables(tmp_path, track
         assert [t.name.split("_")[1] for t in tables] == ["1", "2"]  # a wandb.Table per step
         table = json.loads(tables[0].read_text())
         assert table["columns"][:2] == ["rollout_id", "group_id"] and len(table["data"]) == 2
+
+
+def test_the_gates_figures_reach_the_trackers_and_its_text_does_not():
+    from lightning_rl.trainer_bridge.loggers import tracker_metrics
+
+    line = {"version": 3, "gate_decision": "refused", "gate_promoted": 0, "gate_lower_bound": -0.4, "gate_df": None,
+            "gate_not_worse": False, "candidate_version": 4, "candidate_adapter": "/x/candidates/v00004.1"}
+    found = tracker_metrics(line)
+    assert found["lightning_rl/gate_promoted"] == 0.0 and found["lightning_rl/gate_lower_bound"] == -0.4
+    assert found["lightning_rl/candidate_version"] == 4.0
+    assert not any("decision" in k or "adapter" in k or "gate_df" in k for k in found)

@@ -240,3 +240,24 @@ def test_in_a_browser_list_filter_rollout_tokens_rewards_group_and_training(view
         loss = page.locator(".chart[data-metric=loss]")
         assert "planner-lora" in loss.inner_text() and "solver-lora" in loss.inner_text()  # a curve per policy
         browser.close()
+
+
+def test_the_training_page_lists_policy_decisions_and_draws_the_gate(viewed, tmp_path):
+    """Issue 36: the gate's decisions, from the store, newest first; its figures as curves."""
+    import httpx
+
+    from lightning_rl.viewer.app import training_charts
+
+    viewer, store = viewed
+    figures = {"gate_mean_candidate": 0.25, "gate_mean_live": 0.75, "gate_lower_bound": -0.8125}
+    store.record_decision("policy", 3, "refused", live_version=2, figures=figures, reason="lower bound -0.8125 < -0.1")
+    store.record_decision("policy", 2, "rolled_back", live_version=3, reason="by hand")
+    text = httpx.get(viewer.url + "/training").text
+    table = text.split("id='decisions'", 1)[1]
+    assert table.index("rolled_back") < table.index("refused")  # newest first
+    assert "0.25 / 0.75" in table and "-0.8125" in table and "lower bound -0.8125 &lt; -0.1" in table
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"version": v, "gate_lower_bound": b, "gate_promoted": int(b >= -0.1)}) + "\n"
+                               for v, b in ((0, -0.4), (1, 0.0))))
+    charts = training_charts(metrics)
+    assert any("gate: lower bound" in c for c in charts) and any("gate: promoted" in c for c in charts)
