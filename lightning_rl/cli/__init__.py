@@ -1,7 +1,8 @@
 """The ``lightning-rl`` command: a thin layer over the Python API (one public call per command).
 
 The commands, by module: ``rollouts.py`` (``rollouts ls|show|expire``), ``data.py`` (``export``, ``sft``,
-``judge``, ``export-model``, ``plot``), ``train.py`` (``train run|continuous|replay|verl``), ``services.py``
+``judge``, ``export-model``, ``plot``), ``train.py`` (``train run|continuous|replay|verl``), ``policies.py``
+(``policies rollback``), ``services.py``
 (``store serve|doctor|migrate|openapi``, ``gateway``, ``view``, ``runner``). Every command has an example
 in its ``--help`` and exits 1 with a one-line error on a user's mistake (``_common.errors``).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import click
 
 from .data import export, export_model, judge, plot, sft
+from .policies import policies
 from .rollouts import rollouts
 from .services import gateway, runner, store_group, view
 from .train import train
@@ -25,7 +27,7 @@ def main() -> None:
     """
 
 
-for _command in (rollouts, export, sft, judge, export_model, train, store_group, gateway, view, runner, plot):
+for _command in (rollouts, export, sft, judge, export_model, train, policies, store_group, gateway, view, runner, plot):
     main.add_command(_command)
 del _command
 

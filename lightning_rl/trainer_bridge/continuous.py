@@ -15,6 +15,12 @@ policy, and published only when not worse; a refused candidate stays on disk, it
 and training goes on from the live policy's weights (reloaded into the local model). The gate's figures
 and decision are in the log and the metrics line (``gate_*``).
 
+A rollback (``lightning-rl policies rollback``, ``rollback.py``) publishes an earlier version again; the
+trainer sees that latest publish at its next step (``step``: before reading the store; ``run``: when a
+batch is ready, before updating) and goes on from those weights: production rollouts served by a version
+rolled back from are then dropped as stale, and the next candidate's version is one past every version
+the name had.
+
 State is kept in ``out_dir/continuous_state.json`` (the stream's), so a restarted trainer resumes
 where it stopped, with the last published adapter; one stopped between a publish and saving its
 state resumes at the version it published, without training on that batch again.
@@ -30,7 +36,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr
 
+from ..diagnostics import report_failure
 from ..errors import ConfigurationError
+from ..tracer.provider import tracing
 from .config import ConfigModel, Count, Credit, LocalConfig, Loggers, Name, NonNegativeInt, Positive
 from .gate import Gate
 from .local import LocalBackend, load_adapter
@@ -124,6 +132,7 @@ class ContinuousTrainer(ConfigModel):
         adapters = self.out_dir / "adapters"
         if self.version >= 0:  # resume from the last published adapter
             load_adapter(self._backend, adapters / f"v{self.version:05d}")
+        self._follow_live()  # rolled back while stopped: go on from that version
         self._publisher = self.publisher or make_publisher(
             "vllm_lora", server_url=self.server_url, adapter_dir=adapters, served_name=self.served_name)
         version = max(self.version, 0)
@@ -141,6 +150,7 @@ class ContinuousTrainer(ConfigModel):
         """One check of the store; returns the update's metrics, or None when there is not enough."""
         if self._backend is None:
             self.start()
+        self._follow_live()
         began = time.perf_counter()
         batch = self._source.poll()
         return None if batch is None else self._update(batch, began)
@@ -178,6 +188,24 @@ class ContinuousTrainer(ConfigModel):
                 self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
         self._metrics.write(line, version, sample_rows(batch.groups))
         return line
+
+    def _follow_live(self) -> None:
+        """Adopt the store's latest publish of ``served_name`` when it is not this trainer's version (a
+        rollback): its weights into the local model, its version as the live one."""
+        latest = self.store.latest_policies().get(self.served_name)
+        if latest is None or latest.version == self.version or self.version < 0:
+            return
+        if latest.adapter is None or not (Path(latest.adapter) / "adapter_config.json").is_file():
+            report_failure("continuous: the live version's adapter is missing", message=(
+                f"lightning-rl: {self.served_name!r} was published as version {latest.version} with no adapter folder at "
+                f"{latest.adapter!r}; the trainer goes on from version {self.version} (logged once)"))
+            return
+        load_adapter(self._backend, latest.adapter)
+        log.warning("lightning-rl: %r is at version %d in the store (a rollback from %d); training goes on from it",
+                    self.served_name, latest.version, self.version)
+        self._live_adapter = latest.adapter
+        self._source.published(latest.version)
+        tracing.set_policy_version(latest.version, model=self.served_name)  # this process's calls, as a publish does
 
     def _next_version(self) -> int:
         """The candidate's version: one past every version this served name ever had (after a rollback,
@@ -222,6 +250,7 @@ class ContinuousTrainer(ConfigModel):
             batch = self._source.next_batch()
             if batch is None:  # closed
                 return
+            self._follow_live()
             self._update(batch, began)
             updates += 1
 

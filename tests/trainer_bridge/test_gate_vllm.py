@@ -90,3 +90,54 @@ def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url
     finally:
         trainer.close()
         tracing._policy_versions.pop("policy", None)
+
+
+def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_trainer(traced, vllm_url, tmp_path):
+    from click.testing import CliRunner
+
+    from lightning_rl.cli import main
+    from lightning_rl.trainer_bridge.local import load_adapter
+
+    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
+
+    @lrl.trace(mode="prod")
+    def production_agent(question):
+        r = client.chat.completions.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": question}])
+        return r.choices[0].message.content
+
+    def traffic(k):
+        for i in range(2):
+            production_agent(f"What is {k}+{i}?")
+        for j, r in enumerate(traced.rollouts(mode="prod", newest_first=True, limit=2)):
+            traced.add_reward(r.rollout_id, float(j))
+
+    trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                                out_dir=tmp_path / "ct", min_new=2, max_policy_lag=2,
+                                local=LocalConfig(adv_estimator="batch_baseline", lr=1e-2))
+    try:
+        trainer.start()
+        first = _weights(trainer.backend)
+        for k in (1, 2):
+            traffic(k)
+            assert trainer.step()["version"] == k
+        assert not all(torch.equal(first[k], v) for k, v in _weights(trainer.backend).items())
+        done = CliRunner().invoke(main, ["policies", "rollback", "--to", "0", "--store", traced.url, "--server-url",
+                                         vllm_url, "--reason", "a bad update"])
+        assert done.exit_code == 0, done.output
+        assert '"version": 0' in done.output
+        assert [p.version for p in traced.policies("policy")] == [0, 1, 2, 0]  # the latest publish: version 0
+        rolled = traced.decisions("policy")
+        assert [(d.version, d.decision, d.live_version, d.reason) for d in rolled] == [(0, "rolled_back", 2, "a bad update")]
+        assert rolled[0].adapter == str((tmp_path / "ct" / "adapters" / "v00000").resolve())
+        assert trainer.step() is None  # its next step follows the store: version 0, with its weights
+        assert trainer.version == 0
+        assert all(torch.equal(first[k], v) for k, v in _weights(trainer.backend).items())
+        traffic(3)  # served by version 0 again
+        assert {r.policy_version for r in traced.rollouts(mode="prod", newest_first=True, limit=2)} == {0}
+        update = trainer.step()
+        assert update["version"] == 3 and update["rollouts"] == 2  # past every version the name had
+        assert [p.version for p in traced.policies("policy")] == [0, 1, 2, 0, 3]
+        load_adapter(trainer.backend, tmp_path / "ct" / "adapters" / "v00000")  # the folder rolled back to is intact
+    finally:
+        trainer.close()
+        tracing._policy_versions.pop("policy", None)
