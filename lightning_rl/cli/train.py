@@ -135,14 +135,19 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
               help="Mean reward a candidate may lose and still go live.")
 @click.option("--gate-confidence", type=float, default=0.9, show_default=True,
               help="Confidence of the one-sided lower bound on the reward difference.")
+@click.option("--rollback-watch", is_flag=True, help="After each publish, restore the previous version when production "
+              "reward drops beyond --gate-margin at --gate-confidence (the gate's test, from above).")
+@click.option("--watch-min-rollouts", type=int, default=16, show_default=True,
+              help="Rewarded production rollouts of a new version before the watch judges it.")
 @errors
 def train_continuous(store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
                      temperature, interval, max_updates, seed, loggers, gate_path, gate_agent, gate_n, gate_margin,
-                     gate_confidence) -> None:
+                     gate_confidence, rollback_watch, watch_min_rollouts) -> None:
     """Keep training the served LoRA from production rollouts (mode prod) as their rewards arrive.
 
     With --gate-tasks and --gate-agent, each update is a candidate evaluated beside the live policy and
-    published only when not worse (docs/continuous-safety.md).
+    published only when not worse; with --rollback-watch, a published version whose production reward
+    drops is replaced by the one before (docs/continuous-safety.md).
 
     Example: lightning-rl train continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --reward-name user_feedback --gate-tasks held_out.jsonl --gate-agent my_pkg.agents:solve
     """
@@ -162,7 +167,7 @@ def train_continuous(store, model_dir, server_url, served_name, out, min_new, ma
             min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
             local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
             loggers=list(loggers), gate_tasks=gate_tasks, gate_agent=solve, gate_n=gate_n, gate_margin=gate_margin,
-            gate_confidence=gate_confidence)
+            gate_confidence=gate_confidence, rollback_watch=rollback_watch, watch_min_rollouts=watch_min_rollouts)
     except BaseException:
         opened.close()
         raise

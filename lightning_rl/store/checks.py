@@ -107,8 +107,8 @@ def decision_record(served_name: Any, version: Any, decision: Any, *, live_versi
     if decision not in {d.value for d in Decision}:
         raise ConfigurationError(f"decision must be one of {[d.value for d in Decision]}, got {shown(decision)}")
     figures = dict(figures or {})
-    bad = [k for k, v in figures.items() if not isinstance(k, str) or not (v is None or isinstance(v, (int, float, str)))
-           or (isinstance(v, float) and not math.isfinite(v))]
+    bad = [k for k, v in figures.items() if not isinstance(k, str)
+           or not (v is None or isinstance(v, (int, float, str))) or (isinstance(v, float) and not math.isfinite(v))]
     if bad:
         raise ConfigurationError(f"figures must map names to finite numbers, text or None; {shown(bad[0])} holds "
                                  f"{shown(figures[bad[0]])}")

@@ -227,8 +227,8 @@ def insert_policy(cur: Any, record: PolicyRecord) -> None:
 
 
 def insert_decision(cur: Any, record: PolicyDecision) -> None:
-    cur.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({', '.join(['%s'] * len(DECISION_COLUMNS))})",
-                decision_values(record))
+    marks = ", ".join(["%s"] * len(DECISION_COLUMNS))
+    cur.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({marks})", decision_values(record))
 
 
 def query_decisions(conn: Any, served_name: str | None) -> list[PolicyDecision]:

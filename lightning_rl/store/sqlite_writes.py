@@ -127,8 +127,8 @@ def insert_policy(conn: sqlite3.Connection, record: PolicyRecord) -> None:
 
 
 def insert_decision(conn: sqlite3.Connection, record: PolicyDecision) -> None:
-    conn.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({', '.join('?' * len(DECISION_COLUMNS))})",
-                 decision_values(record))
+    marks = ", ".join("?" * len(DECISION_COLUMNS))
+    conn.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({marks})", decision_values(record))
 
 
 class QueueView:

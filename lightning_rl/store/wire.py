@@ -183,7 +183,8 @@ class DecisionIn(_Wire):
     decision: Literal["evaluated", "promoted", "refused", "rolled_back"]
     live_version: NonNegativeInt64 | None = None
     adapter: str | None = Field(None, max_length=4096)
-    figures: dict[Annotated[str, Field(max_length=256)], float | int | bool | Annotated[str, Field(max_length=4096)] | None] = Field(
+    figures: dict[Annotated[str, Field(max_length=256)],
+                  float | int | bool | Annotated[str, Field(max_length=4096)] | None] = Field(
         default_factory=dict, max_length=256)
     reason: str | None = Field(None, max_length=4096)
     time: float | None = None

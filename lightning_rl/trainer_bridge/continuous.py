@@ -39,11 +39,13 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from ..diagnostics import report_failure
 from ..errors import ConfigurationError
 from ..tracer.provider import tracing
-from .config import ConfigModel, Count, Credit, LocalConfig, Loggers, Name, NonNegativeInt, Positive
+from .config import ConfigModel, Count, Credit, Flag, LocalConfig, Loggers, Name, NonNegativeInt, Positive
 from .gate import Gate
 from .local import LocalBackend, load_adapter
 from .loggers import MetricsLog, make_loggers, sample_rows
+from .noninferiority import not_worse
 from .publishers import Publisher, make_publisher, publish_and_record
+from .rollback import rollback
 from .sources import ProductionStream, StepBatch
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ class ContinuousTrainer(ConfigModel):
     gate_margin: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)] = 0.1  # reward it may lose
     gate_confidence: Fraction = 0.9  # of the one-sided lower bound (noninferiority.py)
     gate_timeout: Positive = 120.0  # seconds per gate try
+    rollback_watch: Flag = False  # after each publish, restore the previous version if production reward drops
+    watch_min_rollouts: Count = Field(16, description="rewarded production rollouts of a new version before it is "
+                                      "judged by the rollback watch")
 
     _source: ProductionStream = PrivateAttr()
     _backend: LocalBackend | None = PrivateAttr(None)
@@ -85,6 +90,7 @@ class ContinuousTrainer(ConfigModel):
     _metrics: MetricsLog | None = PrivateAttr(None)
     _gate: Gate | None = PrivateAttr(None)
     _live_adapter: str | None = PrivateAttr(None)  # where the live policy's weights are
+    _watching: tuple[int, int] | None = PrivateAttr(None)  # (version published, the one it replaced)
 
     def model_post_init(self, context: Any) -> None:
         if bool(self.gate_tasks) != (self.gate_agent is not None):
@@ -153,6 +159,8 @@ class ContinuousTrainer(ConfigModel):
         self._follow_live()
         began = time.perf_counter()
         batch = self._source.poll()
+        if not self._watch(batch):
+            return None
         return None if batch is None else self._update(batch, began)
 
     def _update(self, batch: StepBatch, began: float) -> dict[str, Any]:
@@ -170,6 +178,7 @@ class ContinuousTrainer(ConfigModel):
             live = self.version
             self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
             self._source.published(version)
+            self._watching = (version, live) if self.rollback_watch else None
             if gate:
                 self._record(gate, "promoted", live)
         else:  # refused: the batch is used, the live policy stays, and training goes on from its weights
@@ -197,8 +206,8 @@ class ContinuousTrainer(ConfigModel):
             return
         if latest.adapter is None or not (Path(latest.adapter) / "adapter_config.json").is_file():
             report_failure("continuous: the live version's adapter is missing", message=(
-                f"lightning-rl: {self.served_name!r} was published as version {latest.version} with no adapter folder at "
-                f"{latest.adapter!r}; the trainer goes on from version {self.version} (logged once)"))
+                f"lightning-rl: {self.served_name!r} was published as version {latest.version} with no adapter "
+                f"folder at {latest.adapter!r}; the trainer goes on from version {self.version} (logged once)"))
             return
         load_adapter(self._backend, latest.adapter)
         log.warning("lightning-rl: %r is at version %d in the store (a rollback from %d); training goes on from it",
@@ -206,6 +215,39 @@ class ContinuousTrainer(ConfigModel):
         self._live_adapter = latest.adapter
         self._source.published(latest.version)
         tracing.set_policy_version(latest.version, model=self.served_name)  # this process's calls, as a publish does
+
+    def _watch(self, batch: StepBatch | None) -> bool:
+        """The rollback watch, after every check of the store: once the version published last has
+        ``watch_min_rollouts`` rewarded production rollouts, its reward is tested against the version it
+        replaced (``noninferiority``: the same test as the gate, from above); worse by more than the margin
+        at ``gate_confidence``: the replaced version is restored (``rollback``, recorded with the figures)
+        and training goes on from it. Returns False when it rolled back (the batch taken is dropped: its
+        rollouts were served by the version rolled back from)."""
+        if self._watching is None:
+            return True
+        new, old = self._watching
+        if self.version != new:  # rolled back by hand meanwhile
+            self._watching = None
+            return True
+        got = self._source.rewards_by_version
+        fresh, before = list(got.get(new, {}).values()), list(got.get(old, {}).values())
+        if len(fresh) < self.watch_min_rollouts or len(before) < 2:
+            return True
+        test = not_worse(fresh, before, margin=self.gate_margin, confidence=self.gate_confidence)
+        if not test.worse:
+            return True
+        figures = {f"watch_{k}": v for k, v in test.figures().items()}
+        reason = (f"watch: production reward of version {new} {test.mean_candidate:.4f} (n={test.n_candidate}) against "
+                  f"{test.mean_live:.4f} (n={test.n_live}) of version {old}; upper bound {test.upper_bound:.4f} < "
+                  f"-margin {-test.margin:.4f}")
+        rollback(self.store, to=old, server_url=self.server_url, served_name=self.served_name, reason=reason,
+                 figures=figures)
+        log.warning("lightning-rl: rolled %r back to version %d: %s", self.served_name, old, reason)
+        self._watching = None
+        if batch is not None:
+            self._source.discarded()
+        self._follow_live()
+        return False
 
     def _next_version(self) -> int:
         """The candidate's version: one past every version this served name ever had (after a rollback,
@@ -247,7 +289,7 @@ class ContinuousTrainer(ConfigModel):
         updates = 0
         while max_updates is None or updates < max_updates:
             began = time.perf_counter()
-            batch = self._source.next_batch()
+            batch = self._source.next_batch(on_check=self._watch)
             if batch is None:  # closed
                 return
             self._follow_live()

@@ -5,7 +5,9 @@ try, failed tries 0; binary or continuous). With ``d = mean(candidate) - mean(li
 ``se = sqrt(s_c^2/n_c + s_l^2/n_l)`` (``s^2``: sample variances, ``n - 1`` in the denominator) and the
 Welch-Satterthwaite degrees of freedom ``df``, the one-sided lower confidence bound on the true
 difference is ``lower = d - t(confidence, df) * se``; the candidate is **not worse** (promoted) when
-``lower >= -margin``. When both samples are constant (``se == 0``), ``lower = d``. Each sample needs
+``lower >= -margin``. The rollback watch uses the same figures from above: the new version is **worse**
+(rolled back) when ``upper = d + t(confidence, df) * se < -margin``. When both samples are constant
+(``se == 0``), ``lower = upper = d``. Each sample needs
 at least 2 rewards. The burden of proof is on the candidate: with few gate tries the bound is wide
 and an equal candidate is refused (docs/continuous-safety.md has the sizes that promote one).
 
@@ -35,9 +37,11 @@ class GateTest:
     df: float | None  # Welch-Satterthwaite; None when se == 0
     t_critical: float | None
     lower_bound: float  # of the true difference, at ``confidence``, one-sided
+    upper_bound: float  # the same, from above: d + t * se
     margin: float
     confidence: float
-    not_worse: bool  # lower_bound >= -margin
+    not_worse: bool  # lower_bound >= -margin: the gate promotes
+    worse: bool  # upper_bound < -margin: the candidate lost more than the margin (the rollback watch)
 
     def figures(self) -> dict[str, float | int | bool | None]:
         return asdict(self)
@@ -129,10 +133,10 @@ def not_worse(candidate: Sequence[float], live: Sequence[float], *, margin: floa
     diff = mc - ml
     if se == 0.0:
         df = t = None
-        lower = diff
+        lower = upper = diff
     else:
         df = (a + b) ** 2 / (a * a / (len(candidate) - 1) + b * b / (len(live) - 1))
         t = t_quantile(confidence, df)
-        lower = diff - t * se
-    return GateTest(len(candidate), len(live), mc, ml, diff, se, df, t, lower, float(margin), float(confidence),
-                    lower >= -margin)
+        lower, upper = diff - t * se, diff + t * se
+    return GateTest(len(candidate), len(live), mc, ml, diff, se, df, t, lower, upper, float(margin), float(confidence),
+                    lower >= -margin, upper < -margin)

@@ -9,6 +9,7 @@ weights (``continuous.py``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from .publishers import load_served
 
 
 def rollback(store: Any, *, to: int, server_url: str, served_name: str = "policy", reason: str = "by hand",
-             timeout: float = 120.0) -> PolicyRecord:
+             figures: Mapping[str, Any] | None = None, timeout: float = 120.0) -> PolicyRecord:
     """Make version ``to`` of ``served_name`` live again (module doc); returns its publish record. Checks the
     version and its adapter folder before touching the server."""
     if isinstance(to, bool) or not isinstance(to, int) or to < 0:
@@ -41,5 +42,6 @@ def rollback(store: Any, *, to: int, server_url: str, served_name: str = "policy
     live = records[-1].version
     load_served(server_url, served_name, record.adapter, timeout=timeout)
     published = store.record_policy(served_name, to, adapter=record.adapter)
-    store.record_decision(served_name, to, "rolled_back", live_version=live, adapter=record.adapter, reason=reason)
+    store.record_decision(served_name, to, "rolled_back", live_version=live, adapter=record.adapter, reason=reason,
+                          figures=figures)
     return published

@@ -248,6 +248,9 @@ class ProductionStream:
         self.state_path = Path(state_path)
         self.state = self._load()
         self.waiting: dict[str, Trajectory] = {}  # fresh, rewarded, not yet trained on
+        # production reward by the version that served it (rollout id -> its latest final reward), for the
+        # last few versions published; in memory only (the rollback watch, continuous.py)
+        self.rewards_by_version: dict[int, dict[str, float]] = {}
         self.last_check: dict[str, int] = {}
         self._closed = threading.Event()
         self._reset_counts()
@@ -303,10 +306,13 @@ class ProductionStream:
         for rid in self.state["waiting"]:
             self.waiting[rid] = trajectory(self.store, rid, credit=self.credit, reward_name=self.reward_name)
 
-    def next_batch(self) -> StepBatch | None:
-        """The next batch, checking every ``interval`` seconds; None once closed."""
+    def next_batch(self, on_check: Callable[[StepBatch | None], bool] | None = None) -> StepBatch | None:
+        """The next batch, checking every ``interval`` seconds; None once closed. ``on_check(batch)`` runs
+        after every check; when it returns False, the batch (if any) is not handed out."""
         while not self._closed.is_set():
             batch = self.poll()
+            if on_check is not None and not on_check(batch):
+                batch = None
             if batch is not None:
                 return batch
             self._closed.wait(self.interval)
@@ -319,6 +325,8 @@ class ProductionStream:
             self.state["used"][rid] = versions.get(rid, updates)
         if not self.state["published"] or self.state["published"][-1][0] != updates:
             self.state["published"].append([updates, time.time()])
+        recent = {v for v, _ in self.state["published"][-4:]}
+        self.rewards_by_version = {v: r for v, r in self.rewards_by_version.items() if v in recent or v > updates}
         self.state["taking"], self.state["taking_versions"] = [], {}
         self._save()
 
@@ -366,6 +374,7 @@ class ProductionStream:
             if traj.final_reward is None:
                 continue
             served = self.served_version(traj)
+            self.rewards_by_version.setdefault(served, {})[rid] = traj.final_reward
             if self.version - served > self.max_policy_lag or served > self.version:  # > : served by a version
                 # that was rolled back (lightning-rl policies rollback): not the policy training goes on from
                 self.state["dropped"][rid] = served

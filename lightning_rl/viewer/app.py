@@ -133,7 +133,8 @@ CURVES = (  # (chart title, metrics-line key), one curve per policy where a team
     ("reward (train)", "train_reward"), ("success (held out)", "eval_success"), ("loss", "loss"),
     ("clip fraction", "pg_clipfrac"), ("staleness (mean versions behind)", "staleness"),
     ("engine/trainer log-prob gap", "engine_logprob_gap"), ("reward (policy's samples)", "reward_mean"),
-    ("gate: lower bound of the reward difference", "gate_lower_bound"), ("gate: promoted (1) or refused (0)", "gate_promoted"),
+    ("gate: lower bound of the reward difference", "gate_lower_bound"),
+    ("gate: promoted (1) or refused (0)", "gate_promoted"),
 )
 MAX_DECISIONS = 50  # the newest policy decisions the training page lists
 

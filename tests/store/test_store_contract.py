@@ -159,7 +159,8 @@ def test_decisions_are_kept_beside_the_publishes_with_their_figures(store):
     assert [(d.version, d.decision, d.live_version) for d in found] == [
         (1, Decision.EVALUATED, 0), (1, Decision.REFUSED, 0), (0, Decision.ROLLED_BACK, 2)]
     assert found[0].figures == figures and found[0].time == 10.0 and found[0].adapter == "/c/v00001.1"
-    assert isinstance(found[0].figures["gate_not_worse"], bool) and isinstance(found[0].figures["gate_n_candidate"], int)
+    assert isinstance(found[0].figures["gate_not_worse"], bool)
+    assert isinstance(found[0].figures["gate_n_candidate"], int)
     assert found[1].reason == "lower bound -0.4 < -0.1" and found[2].figures == {}
     assert [d.served_name for d in store.decisions()] == ["policy", "policy", "other", "policy"]
     assert [p.version for p in store.policies("policy")] == [0]  # decisions are not publishes

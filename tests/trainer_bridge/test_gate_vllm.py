@@ -18,20 +18,28 @@ from ..conftest import ensure_tiny_model
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+def _production_agent(vllm_url):
+    """A production agent: it calls the live name and returns no reward (feedback comes later)."""
+    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
+
+    @lrl.trace(mode="prod")
+    def production_agent(question):
+        r = client.chat.completions.create(model="policy", max_tokens=4,
+                                           messages=[{"role": "user", "content": question}])
+        return r.choices[0].message.content
+
+    return production_agent
+
+
 def _weights(backend):
     return {k: v.clone() for k, v in peft.get_peft_model_state_dict(
         backend.model, adapter_name=backend.adapter().name).items()}
 
 
 def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url, tmp_path):
-    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
+    production_agent = _production_agent(vllm_url)
     answered: list[str] = []  # the served name each gate call was answered by
     candidate_reward = {"value": 0.0}
-
-    @lrl.trace(mode="prod")
-    def production_agent(question):
-        r = client.chat.completions.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": question}])
-        return r.choices[0].message.content
 
     @lrl.trace
     def gate_agent(task):
@@ -98,12 +106,7 @@ def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_train
     from lightning_rl.cli import main
     from lightning_rl.trainer_bridge.local import load_adapter
 
-    client = openai.OpenAI(base_url=vllm_url, api_key="EMPTY")
-
-    @lrl.trace(mode="prod")
-    def production_agent(question):
-        r = client.chat.completions.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": question}])
-        return r.choices[0].message.content
+    production_agent = _production_agent(vllm_url)
 
     def traffic(k):
         for i in range(2):
@@ -127,7 +130,8 @@ def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_train
         assert '"version": 0' in done.output
         assert [p.version for p in traced.policies("policy")] == [0, 1, 2, 0]  # the latest publish: version 0
         rolled = traced.decisions("policy")
-        assert [(d.version, d.decision, d.live_version, d.reason) for d in rolled] == [(0, "rolled_back", 2, "a bad update")]
+        assert [(d.version, d.decision, d.live_version, d.reason) for d in rolled] == [
+            (0, "rolled_back", 2, "a bad update")]
         assert rolled[0].adapter == str((tmp_path / "ct" / "adapters" / "v00000").resolve())
         assert trainer.step() is None  # its next step follows the store: version 0, with its weights
         assert trainer.version == 0
@@ -138,6 +142,40 @@ def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_train
         assert update["version"] == 3 and update["rollouts"] == 2  # past every version the name had
         assert [p.version for p in traced.policies("policy")] == [0, 1, 2, 0, 3]
         load_adapter(trainer.backend, tmp_path / "ct" / "adapters" / "v00000")  # the folder rolled back to is intact
+    finally:
+        trainer.close()
+        tracing._policy_versions.pop("policy", None)
+
+
+def test_the_rollback_watch_restores_the_previous_version_when_production_reward_drops(traced, vllm_url, tmp_path):
+    production_agent = _production_agent(vllm_url)
+
+    def traffic(k, rewards):
+        for i in range(len(rewards)):
+            production_agent(f"What is {k}+{i}?")
+        for r, value in zip(traced.rollouts(mode="prod", newest_first=True, limit=len(rewards)), rewards):
+            traced.add_reward(r.rollout_id, value)
+
+    trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
+                                out_dir=tmp_path / "ct", min_new=3, max_policy_lag=2,
+                                local=LocalConfig(adv_estimator="batch_baseline", lr=1e-2),
+                                rollback_watch=True, watch_min_rollouts=2)
+    try:
+        trainer.start()
+        first = _weights(trainer.backend)
+        traffic(1, [1.0, 1.0, 1.0])  # served by version 0
+        assert trainer.step()["version"] == 1
+        traffic(2, [1.0, 0.0])  # served by version 1: not shown worse yet (upper bound -0.5 + 3.08 * 0.5)
+        assert trainer.step() is None and trainer.version == 1 and traced.decisions() == []
+        traffic(3, [0.0, 0.0, 0.0])  # version 1's reward drops: 1/5 against 3/3 (upper bound -0.8 + 1.53 * 0.2)
+        assert trainer.step() is None  # rolled back instead of updating
+        assert trainer.version == 0 and [p.version for p in traced.policies("policy")] == [0, 1, 0]
+        decided = traced.decisions("policy")
+        assert [(d.version, d.decision, d.live_version) for d in decided] == [(0, "rolled_back", 1)]
+        assert decided[0].reason.startswith("watch: production reward of version 1 0.2000 (n=5) against 1.0000 (n=3)")
+        assert decided[0].figures["watch_worse"] is True and decided[0].figures["watch_upper_bound"] < -0.1
+        assert all(torch.equal(first[k], v) for k, v in _weights(trainer.backend).items())
+        assert trainer.step() is None and trainer.last_check["waiting"] == 0  # the dropped batch is not trained on
     finally:
         trainer.close()
         tracing._policy_versions.pop("policy", None)

@@ -26,6 +26,17 @@ def test_a_worse_candidate_is_refused_with_the_figures_computed_by_hand():
     assert test.standard_error == pytest.approx(0.133333, abs=1e-6) and test.df == pytest.approx(9.0)
     assert test.lower_bound == pytest.approx(-0.2 - 1.383029 * 0.133333, abs=1e-5)
     assert not test.not_worse
+    # from above (the rollback watch): -0.2 + 0.1844 = -0.0156, not below -0.1: not shown worse either
+    assert test.upper_bound == pytest.approx(-0.2 + 1.383029 * 0.133333, abs=1e-5) and not test.worse
+
+
+def test_the_watch_sees_a_clear_drop_beyond_the_margin():
+    # 2/12 against 10/12: d = -2/3; s^2 = 12 * (1/6)(5/6) / 11 each, se = sqrt(2 * s^2 / 12), df = 22
+    test = not_worse([1, 1] + [0] * 10, [1] * 10 + [0, 0], margin=0.1, confidence=0.9)
+    s2 = 12 * (1 / 6) * (5 / 6) / 11
+    assert test.df == pytest.approx(22.0) and test.standard_error == pytest.approx(math.sqrt(2 * s2 / 12))
+    assert test.upper_bound == pytest.approx(-2 / 3 + t_quantile(0.9, 22) * math.sqrt(2 * s2 / 12))
+    assert test.worse and not test.not_worse
 
 
 def test_continuous_rewards_use_welch_degrees_of_freedom():
