@@ -19,7 +19,7 @@ A rollback (``lightning-rl policies rollback``, ``rollback.py``) publishes an ea
 trainer sees that latest publish at its next step (``step``: before reading the store; ``run``: when a
 batch is ready, before updating) and goes on from those weights: production rollouts served by a version
 rolled back from are then dropped as stale, and the next candidate's version is one past every version
-the name had.
+the trainer saw live (``ProductionStream.next_version``).
 
 State is kept in ``out_dir/continuous_state.json`` (the stream's), so a restarted trainer resumes
 where it stopped, with the last published adapter; one stopped between a publish and saving its
@@ -250,10 +250,9 @@ class ContinuousTrainer(ConfigModel):
         return False
 
     def _next_version(self) -> int:
-        """The candidate's version: one past every version this served name ever had (after a rollback,
-        past the versions rolled back from too)."""
-        recorded = [p.version for p in self.store.policies(self.served_name)]
-        return max([self.version, *recorded]) + 1
+        """The update's version (``ProductionStream.next_version``): one past every version this trainer saw
+        live, the versions rolled back from included; a store's publishes from other runs do not count."""
+        return self._source.next_version
 
     def _judge(self, version: int) -> dict[str, Any]:
         """Save the candidate, run the gate, log its figures; returns them (``gate_*``) with the decision."""

@@ -13,7 +13,9 @@ rule). The candidate's name is unloaded afterwards (the server needs ``--max-lor
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -73,13 +75,12 @@ class Gate:
                 with overrides(task, rid):
                     self.agent(task)
 
-            with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="lightning-rl-gate") as pool:
-                futures = [pool.submit(copy_context().run, one_sync, task, rid) for task, rid in tries]
-                for future in futures:
-                    try:
-                        future.result(timeout=self.timeout)
-                    except Exception:  # noqa: BLE001 - a failed or timed-out try scores 0
-                        pass
+            # A sync agent cannot be stopped: past the tries' time (the timeout per round of `concurrency`
+            # tries) the gate stops waiting; a try still running then has not succeeded, so it scores 0.
+            pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="lightning-rl-gate")
+            futures = [pool.submit(copy_context().run, one_sync, task, rid) for task, rid in tries]
+            concurrent.futures.wait(futures, timeout=self.timeout * math.ceil(len(tries) / self.concurrency))
+            pool.shutdown(wait=False, cancel_futures=True)
         self.store.flush()
         return [self._reward(rid) for _, rid in tries]
 

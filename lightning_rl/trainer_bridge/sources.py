@@ -283,6 +283,12 @@ class ProductionStream:
         """The last version published (-1 before the first)."""
         return self.state["published"][-1][0] if self.state["published"] else -1
 
+    @property
+    def next_version(self) -> int:
+        """The version the next update publishes: one past every version this stream saw live (after a
+        rollback, past the versions rolled back from too; a refused candidate takes none)."""
+        return max((v for v, _ in self.state["published"]), default=-1) + 1
+
     def served_version(self, traj: Trajectory) -> int:
         """The policy version that served ``traj`` (class doc)."""
         if traj.policy_version is not None:
@@ -295,7 +301,7 @@ class ProductionStream:
         """Resume: finish a publish the last run did not save, and read back the waiting rollouts."""
         if self.state["taking"]:
             records = self.store.policies(self.served_name)
-            if records and records[-1].version == self.version + 1:  # published, then stopped before saving
+            if records and records[-1].version == self.next_version:  # published, then stopped before saving
                 for rid in self.state["taking"]:
                     self.state["used"][rid] = self.state.get("taking_versions", {}).get(rid, self.version)
                 self.state["published"].append([records[-1].version, records[-1].time])

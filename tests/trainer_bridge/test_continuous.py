@@ -56,3 +56,19 @@ def test_a_trainer_stopped_after_its_publish_resumes_at_that_version_with_its_we
     update = again.step()
     assert update["version"] == 2 and update["rollouts"] == 2 and set(again.state["used"]) >= {"c", "d"}
     store.close()
+
+
+def test_publishes_of_another_run_in_the_store_do_not_move_the_versions(tmp_path):
+    """Issue 36: versions are one past what this trainer saw live (a rollback's versions included), not past
+    what the served name ever had in the store: a store reused after a Trainer.fit run keeps counting from 0."""
+    store = SQLiteStore(tmp_path / "s.db")
+    store.record_policy("policy", 20, adapter=None)  # an earlier run's publish, its adapter gone
+    trainer = _trainer(store, tmp_path / "ct")
+    trainer.start()
+    assert trainer.version == 0
+    _prod_rollout(store, "a", 0, reward=1.0)
+    _prod_rollout(store, "b", 0, reward=0.0)
+    update = trainer.step()
+    assert update["version"] == 1 and update["rollouts"] == 2
+    assert [p.version for p in store.policies("policy")] == [20, 0, 1]
+    store.close()

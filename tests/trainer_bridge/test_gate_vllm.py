@@ -179,3 +179,48 @@ def test_the_rollback_watch_restores_the_previous_version_when_production_reward
     finally:
         trainer.close()
         tracing._policy_versions.pop("policy", None)
+
+
+def test_the_gate_runs_async_agents_and_scores_failed_or_hung_tries_zero(traced, vllm_url):
+    import asyncio
+    import threading
+    import time
+
+    from lightning_rl.trainer_bridge.gate import Gate
+
+    from ..conftest import SERVED_NAME
+
+    client = openai.AsyncOpenAI(base_url=vllm_url, api_key="EMPTY")
+
+    @lrl.trace
+    async def async_agent(task):
+        base_url, model = lrl.current_endpoint()
+        r = await client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                                 messages=[{"role": "user", "content": task}])
+        if task == "fail":
+            raise ValueError("the agent gave up")
+        lrl.emit_reward(0.5 if r.model == SERVED_NAME else 0.0)
+
+    gate = Gate(traced, async_agent, ["a", "fail", "b"], server_url=vllm_url, served_name=SERVED_NAME, n=2)
+    try:
+        assert sorted(gate.rewards(SERVED_NAME)) == [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]
+        assert {r.mode for r in traced.rollouts() if r.rollout_id.startswith("gate-")} == {"eval"}
+    finally:
+        gate.close()
+    release = threading.Event()
+
+    @lrl.trace
+    def hung_agent(task):
+        if task == "hang":
+            release.wait(30)
+        lrl.emit_reward(1.0)
+
+    gate = Gate(traced, hung_agent, ["ok", "hang"], server_url=vllm_url, served_name=SERVED_NAME, timeout=1.0)
+    began = time.monotonic()
+    try:
+        assert sorted(gate.rewards(SERVED_NAME)) == [0.0, 1.0]  # the hung try is not waited for past its time
+        assert time.monotonic() - began < 10
+    finally:
+        release.set()
+        gate.close()
+    assert asyncio.iscoroutinefunction(async_agent)
