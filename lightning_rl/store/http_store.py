@@ -399,12 +399,18 @@ class HttpStore:
                         reason: str | None = None, time: float | None = None) -> PolicyDecision:
         record = checks.decision_record(served_name, version, decision, live_version=live_version, adapter=adapter,
                                         figures=figures, reason=reason, time=time)
-        self._request("POST", "/decisions", json=record.model_dump(mode="json", exclude={"schema_version"}))
+        self._request("POST", "/decisions", json=record.model_dump(mode="json", exclude={"schema_version"}),
+                      older=self._older_decisions())
         return record
 
     def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
-        return [PolicyDecision.model_validate(x) for x in self._request("GET", "/decisions",
-                                                                        params=dict(served_name=served_name))]
+        return [PolicyDecision.model_validate(x) for x in self._request(
+            "GET", "/decisions", params=dict(served_name=served_name), older=self._older_decisions())]
+
+    def _older_decisions(self) -> str:
+        return (f"the store server {self.url} has no policy decisions endpoint ({wire.API_PREFIX}/decisions): it runs "
+                "a lightning-rl older than this client. Upgrade lightning-rl where it runs (pip install -U "
+                "lightning-rl) and restart `lightning-rl store serve`")
 
     # -- TaskQueue (the server's) -------------------------------------------------------------------
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,

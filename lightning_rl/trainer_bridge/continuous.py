@@ -7,7 +7,7 @@ replays): each check reads what is new; rollouts more than ``max_policy_lag`` ve
 dropped and counted; only the calls the trainer can reproduce (to ``served_name``, at
 ``local.temperature``, untruncated) are trained on. When at least ``min_new`` fresh rollouts wait,
 ``step()`` updates with an estimator that needs no groups (``batch_baseline`` by default) and publishes
-version + 1; ``run()`` does it without end.
+the next version; ``run()`` does it without end.
 
 With ``gate_tasks`` and ``gate_agent``, an update is a *candidate*: saved under
 ``out_dir/candidates/``, evaluated by the gate (``gate.py``, ``noninferiority.py``) beside the live
@@ -192,6 +192,9 @@ class ContinuousTrainer(ConfigModel):
         if self._metrics is None:
             config = {"served_name": self.served_name, "min_new": self.min_new, "max_policy_lag": self.max_policy_lag,
                       "reward_name": self.reward_name, "credit": self.credit, "level": self.level, "seed": self.seed,
+                      "gate_tasks": len(self.gate_tasks), "gate_n": self.gate_n, "gate_margin": self.gate_margin,
+                      "gate_confidence": self.gate_confidence, "rollback_watch": self.rollback_watch,
+                      "watch_min_rollouts": self.watch_min_rollouts,
                       **{f"local.{k}": v for k, v in self.local.scalars().items()}}
             self._metrics = MetricsLog(self.metrics_path, make_loggers(
                 self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
