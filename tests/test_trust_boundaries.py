@@ -27,6 +27,7 @@ from lightning_rl.store.server import BackgroundServer
 from lightning_rl.store.sqlite_store import SQLiteStore
 from lightning_rl.tracer import tracing
 
+from .services import wait_healthy
 from .store.helpers import llm_span
 
 pytest.importorskip("fastapi")
@@ -224,15 +225,7 @@ def gateway_process(tmp_path):
                              "--store", str(db), "--port", str(port), "--token", TOKEN],
                             stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/v1/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.1)
+    wait_healthy(url, proc, what="the gateway")
     yield url, proc, db
     proc.terminate()
     proc.wait(30)

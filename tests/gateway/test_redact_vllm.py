@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +25,7 @@ from lightning_rl.store import SQLiteStore
 from lightning_rl.vllm_server import free_port
 
 from ..conftest import SERVED_NAME
+from ..services import wait_healthy
 from ..tracer.redactors import CANARY, SECRET
 from ..tracer.test_redaction import files_holding
 
@@ -43,15 +43,7 @@ def test_the_gateway_command_redacts_what_it_records(vllm_url, tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and gateway.poll() is None, "the gateway did not start"
-            time.sleep(0.2)
+        wait_healthy(url, gateway, what="the gateway")
         opened = httpx.post(f"{url}/v1/rollouts", json={"task": {"card": SECRET, "note": CANARY},
                                                          "agent": "billing"}).json()
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"])

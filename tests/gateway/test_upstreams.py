@@ -17,6 +17,8 @@ from lightning_rl.serving import ServerThread
 pytest.importorskip("fastapi")
 from fastapi import FastAPI, Request  # noqa: E402 (module level: the route's annotations are strings)
 
+from ..services import wait_healthy
+
 
 def fake_engine(name: str, hits: list[str]):
     app = FastAPI()
@@ -125,15 +127,7 @@ def test_a_gateway_killed_outright_leaves_no_rollout_running_once_another_starts
                                "--idle-timeout", "3600"], stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and killed.poll() is None, "the gateway did not start"
-            time.sleep(0.2)
+        wait_healthy(url, killed, what="the gateway")
         orphans = [httpx.post(f"{url}/v1/rollouts", json={"task": i}).json() for i in range(2)]
         deadline = time.monotonic() + 30
         assert httpx.post(orphans[0]["base_url"] + "/chat/completions", timeout=10, json={

@@ -8,11 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from ..services import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / ".cache" / "reliability"
@@ -37,16 +37,8 @@ class ServerProcess:
             [sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db", str(self.db), "--port",
              str(self.port), "--workers", str(self.workers)],
             stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"store server on {self.url} did not start")
-            time.sleep(0.1)
+        wait_healthy(self.url, self.proc, what="the store server")
+        return self
 
     def kill(self) -> None:
         """SIGKILL the server and its workers (a crash, not a shutdown)."""

@@ -22,6 +22,7 @@ from lightning_rl.store.ops import StartRollout
 from lightning_rl.store.postgres_schema import latest_version
 from lightning_rl.store.postgres_store import PostgresStore
 
+from ..services import wait_healthy
 from .helpers import rollout
 
 
@@ -37,15 +38,8 @@ def _serve(db: str, env: dict) -> tuple[subprocess.Popen, str]:
                              str(port), "--workers", "1"], env=env, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
-        time.sleep(0.1)
+    wait_healthy(url, proc, what="the store server")
+    return proc, url
 
 
 def test_servers_over_postgresql_serve_runners_given_every_url(pg_url, tmp_path):
@@ -139,15 +133,7 @@ def test_the_gateway_given_two_servers_records_through_the_one_alive(pg_url, tmp
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert gateway.poll() is None and time.monotonic() < deadline, gateway.stderr.read() if gateway.poll() else ""
-            time.sleep(0.1)
+        wait_healthy(url, gateway, what="the gateway")
         os.killpg(one.pid, signal.SIGKILL)  # the gateway's first server is gone
         one.wait(30)
         opened = httpx.post(f"{url}/v1/rollouts", json={"task": {"q": 1}}).json()
@@ -180,15 +166,7 @@ def test_a_server_killed_with_sigkill_takes_its_workers_with_it(pg_url, tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "lightning_rl.cli", "store", "serve", "--db", pg_url, "--port",
                              str(port), "--workers", "2"], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
-        time.sleep(0.1)
+    wait_healthy(url, proc, what="the store server")
     proc.kill()  # SIGKILL to the supervisor alone, not its process group
     proc.wait(30)
     deadline = time.monotonic() + 20

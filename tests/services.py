@@ -1,0 +1,25 @@
+"""Waiting for a service the tests started as a process (a store server, a gateway) to answer."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import httpx
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 60.0, what: str = "the server") -> None:
+    """Return once ``url``'s ``/v1/health`` answers 200; fail, with the end of the process's stderr when it
+    was piped, if the process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stderr = proc.stderr.read() if proc.poll() is not None and proc.stderr is not None else b""
+            text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else str(stderr)
+            raise AssertionError(f"{what} did not start at {url} (exit code {proc.poll()}): {text[-2000:]}")
+        time.sleep(0.2)
