@@ -14,7 +14,7 @@ from .settings import check_mode, check_redacted_tokens, load_redactor
 from .store import Store
 from .store import open_store as _open_store
 from .store.uri import same_store
-from .tracer.provider import add_span_processors, tracing
+from .tracer.provider import RefusedRedaction, add_span_processors, tracing
 from .sink import SpanSink
 
 _UNSET: Any = object()
@@ -50,12 +50,20 @@ def configure(
     redaction changed: kept, they decode to the original text; dropped, the call is not trained on.
     """
     settings = tracing.settings
-    # redaction first, checked whole before anything changes: a bad value leaves the set-up as it was
+    # redaction first, checked before anything else changes. A bad one fails closed: asked for and not set
+    # up, it leaves every traced call refusing to start (as a bad LIGHTNING_RL_REDACT does) until a redaction
+    # that works is configured, so code that catches the error and goes on records no unredacted text.
     tokens = check_redacted_tokens(redacted_tokens) if redacted_tokens is not None else settings.redacted_tokens
-    if isinstance(redact, str):
-        redact = load_redactor(redact, what="redact")
-    if redact is not None and not callable(redact):
-        raise ConfigurationError(f"redact={redact!r} is not a function; give fn(text: str) -> str or 'module:function'")
+    try:
+        if isinstance(redact, str):
+            redact = load_redactor(redact, what="redact")
+        if redact is not None and not callable(redact):
+            raise ConfigurationError(f"redact={redact!r} is not a function; give fn(text: str) -> str or "
+                                     "'module:function'")
+    except ConfigurationError as exc:
+        settings.redact = RefusedRedaction(ConfigurationError(
+            f"{exc}; until configure(redact=...) is given one that works, traced calls refuse to start"))
+        raise
     if redact is None:
         tracing.redaction(check=True)  # LIGHTNING_RL_REDACT: a bad module:function fails here, not at the first call
     else:

@@ -166,9 +166,12 @@ def load_redactor(spec: str, *, what: str = ENV_REDACT) -> Callable[[str], str]:
     fn: object = module
     for part in name.split("."):
         fn = getattr(fn, part, None)
-    if not callable(fn):
+    if fn is None:
         raise ConfigurationError(f"{what}={spec!r}: module {module_name!r} has no function {name!r}; name a "
                                  "function of one str that returns a str")
+    if not callable(fn):
+        raise ConfigurationError(f"{what}={spec!r}: {module_name}.{name} is a {type(fn).__name__}, not a function; "
+                                 "name a function of one str that returns a str")
     return fn  # type: ignore[return-value]
 
 

@@ -183,7 +183,11 @@ def parse_duration(text: str, option: str = "--older-than") -> float:
     if not found:
         raise ConfigurationError(f"{option} {text!r:.40} is not a duration: give a number and a unit of s, m, h, d "
                                  f"or w (seconds, minutes, hours, days, weeks), e.g. {option} 30d")
-    return float(found.group(1)) * _UNITS[found.group(2)]
+    seconds = float(found.group(1)) * _UNITS[found.group(2)]
+    if not seconds < 100 * 366 * 86400:  # a cut-off before 1926 (or past what a float holds) is a typo
+        raise ConfigurationError(f"{option} {text!r:.40} is more than 100 years: give a number and a unit of s, m, "
+                                 f"h, d or w, e.g. {option} 30d")
+    return seconds
 
 
 @dataclass(slots=True)

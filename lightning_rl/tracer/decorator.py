@@ -259,9 +259,11 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
     """Record the end of a rollout. Returns the reward error to raise, if the returned reward was bad."""
     state, rollout, span = active.state, active.rollout, active.span
     status, error, reward_error = RolloutStatus.SUCCEEDED, None, None
+    kind = ""  # the exception's type: a name, kept whole when the message is redacted
     if exc is not None:
         status = RolloutStatus.TIMED_OUT if isinstance(exc, TimeoutError) else RolloutStatus.FAILED
-        error = f"{type(exc).__name__}: {exc}"
+        kind = f"{type(exc).__name__}: "
+        error = f"{kind}{exc}"
     elif _is_reward(result):
         try:
             value = check_reward(result, what=f"the reward returned by {rollout.name!r}")
@@ -302,8 +304,10 @@ def _end(active: _Active, result: Any = None, exc: BaseException | None = None) 
     _rollout.reset(rollout_token)
     state.note_end()
     try:
-        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), redact_text(error, tracing.redaction()),
-                                   state.oldest_call_version)
+        redact = tracing.redaction()
+        if redact is not None and error is not None:
+            error = kind + (redact_text(error[len(kind):], redact) or "")
+        active.sink.finish_rollout(rollout.rollout_id, status, time.time(), error, state.oldest_call_version)
     except Exception as failure:
         report_failure("rollout finish", failure)
     return reward_error

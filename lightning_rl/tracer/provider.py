@@ -173,6 +173,8 @@ class Tracing:
         elsewhere (a span ending) a function that cannot be loaded fails closed: every text is replaced."""
         fn = self.settings.redact
         spec = self.settings.redact_spec
+        if isinstance(fn, RefusedRedaction) and check:
+            raise fn.error
         if fn is not None or spec is None:
             return fn
         if not check and spec == self._unloadable_spec:  # tried: no import per span
@@ -321,6 +323,20 @@ class Tracing:
 
 def _unloadable(text: str) -> str:
     raise ConfigurationError("the redaction function named by LIGHTNING_RL_REDACT cannot be loaded")
+
+
+class RefusedRedaction:
+    """What a redaction that ``configure`` could not set up leaves in its place (fail closed): a rollout's
+    start raises the ``error`` (``redaction(check=True)``), and a text that still reaches a span (one
+    begun before) is recorded as redaction failed, until ``configure`` is given a redaction that works."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: ConfigurationError) -> None:
+        self.error = error
+
+    def __call__(self, text: str) -> str:
+        raise self.error
 
 
 tracing = Tracing()

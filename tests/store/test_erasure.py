@@ -263,6 +263,8 @@ def test_store_prune_erases_old_rollouts_of_a_mode_and_keeps_what_a_policy_was_t
     bad = prune("--older-than", "30 days")
     assert bad.exit_code != 0 and len(bad.output.strip().splitlines()) == 1
     assert "'30 days' is not a duration" in bad.output and "--older-than 30d" in bad.output
+    huge = prune("--older-than", "99999999999999999999w")  # a user trial: an OverflowError's traceback
+    assert huge.exit_code == 1 and len(huge.output.strip().splitlines()) == 1 and "more than 100 years" in huge.output
     assert left() == ["new-prod"]
 
 

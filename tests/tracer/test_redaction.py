@@ -139,6 +139,51 @@ def test_a_failing_function_fails_closed_counted_and_logged_once(redaction, sqli
     assert len(logged) == 1 and "returns a str" in logged[0].getMessage()
 
 
+@pytest.mark.parametrize("bad", ["tests.tracer.redactors:nope", "tests.tracer.redactors:CANARY", 123],
+                         ids=["no-such-function", "not-callable", "not-a-function"])
+def test_a_redaction_configure_refused_fails_closed_for_code_that_goes_on(redaction, sqlite_in, bad):
+    """A user trial: a notebook that catches configure's error and runs its agent stored the secret
+    unredacted in ./lightning_rl.db. Asked for and not set up, redaction now leaves traced calls refusing."""
+    folder, store = sqlite_in
+    lrl.configure(store=store)
+    with pytest.raises(ConfigurationError, match="redact=") as refused:
+        lrl.configure(redact=bad)
+    assert "\n" not in str(refused.value)
+    if isinstance(bad, str) and bad.endswith("CANARY"):
+        assert "is a str, not a function" in str(refused.value)
+    ran = []
+
+    @lrl.trace
+    def agent(question: str) -> None:
+        ran.append(question)
+
+    with pytest.raises(ConfigurationError, match="traced calls refuse to start"):
+        agent(SECRET)
+    with pytest.raises(ConfigurationError):  # configure without a redaction does not lift it
+        lrl.configure(store=store)
+    store.flush()
+    assert ran == [] and store.rollouts() == [] and files_holding(folder, SECRET) == []
+    lrl.configure(redact=scrub)  # one that works does
+    agent(SECRET)
+    store.flush()
+    assert [r.task for r in store.rollouts()] == ["[card]"] and files_holding(folder, SECRET) == []
+
+
+def test_a_failed_redaction_keeps_the_exception_type_in_the_rollout_error(redaction, sqlite_in):
+    folder, store = sqlite_in
+    lrl.configure(store=store, redact=broken)
+
+    @lrl.trace
+    def agent(question: str) -> None:
+        raise KeyError(question)
+
+    with pytest.raises(KeyError):
+        agent(SECRET)
+    store.flush()
+    (rollout,) = store.rollouts()
+    assert rollout.error == f"KeyError: {FAILED}" and files_holding(folder, SECRET) == []
+
+
 def test_a_bad_module_function_fails_at_configure_and_at_the_rollout_start_not_later(redaction, sqlite_in):
     folder, store = sqlite_in
     with pytest.raises(ConfigurationError, match=r"redact='no_such_module_xyz:scrub'.*cannot be imported"):
