@@ -271,10 +271,13 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
     from .. import _api
     from ..gateway import Gateway, serve
     from ..serving import GATEWAY, check_bind
+    from ..settings import load_redactor
 
     check_bind(GATEWAY, host, token)
     if redact is not None or redacted_tokens is not None:  # a bad module:function stops it here, before serving
-        _api.configure(redact=redact, redacted_tokens=redacted_tokens)
+        # loaded first: a bad one ends the command, leaving no refused redaction in this process's set-up
+        function = load_redactor(redact, what="--redact") if redact is not None else None
+        _api.configure(redact=function, redacted_tokens=redacted_tokens)
     proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
     _api.configure(store=open_store(store))
     serve(proxy, host=host, port=port, log_level=log_level, announce=lambda: click.echo(

@@ -22,6 +22,7 @@ import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.cli import main
 from lightning_rl.store import SQLiteStore
+from lightning_rl.tracer import tracing
 from lightning_rl.vllm_server import free_port
 
 from ..conftest import SERVED_NAME
@@ -82,5 +83,6 @@ def test_a_bad_redact_value_stops_the_gateway_at_start_up_with_one_line(tmp_path
                                        f"sqlite:///{tmp_path / 'gw.db'}", "--redact", "no_such_module_xyz:scrub"])
     assert result.exit_code == 1
     (line,) = result.output.strip().splitlines()
-    assert "redact='no_such_module_xyz:scrub'" in line and "cannot be imported" in line
+    assert "--redact='no_such_module_xyz:scrub'" in line and "cannot be imported" in line
+    assert tracing.redaction() is None  # the command ended; nothing refused is left in this process's set-up
     assert not (tmp_path / "gw.db").exists()  # it stopped before opening the store
