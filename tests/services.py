@@ -8,13 +8,15 @@ import time
 import httpx
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 60.0, what: str = "the server") -> None:
-    """Return once ``url``'s ``/v1/health`` answers 200; fail, with the end of the process's stderr when it
+def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 60.0, what: str = "the server",
+                 path: str = "/v1/health") -> None:
+    """Return once ``url`` + ``path`` (the store server's and the gateway's health; the viewer's is ``/health``)
+    answers 200; fail, with the end of the process's stderr when it
     was piped, if the process exits first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import orjson
@@ -19,8 +18,8 @@ from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus
 from lightning_rl.store.postgres_store import PostgresStore
 from lightning_rl.store.sqlite_store import SQLiteStore
 
+from ..services import wait_healthy
 from .helpers import llm_span
-
 
 PROMPT = list(range(100, 120))
 
@@ -59,15 +58,7 @@ def test_view_over_postgresql_lists_rollouts_and_shows_a_rollout_and_a_group(pg_
                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, LIGHTNING_RL_SPILL_DIR=str(tmp_path)))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert viewer.poll() is None and time.monotonic() < deadline, viewer.stderr.read() if viewer.poll() else ""
-            time.sleep(0.1)
+        wait_healthy(url, viewer, what="the viewer", path="/health")
         # generous timeouts: the group page's first request imports torch (the advantage estimator), slow on a
         # busy machine
         http = httpx.Client(base_url=url, timeout=60)
