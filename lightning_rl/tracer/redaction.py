@@ -76,7 +76,7 @@ class Pass:
             self._fail(f"raised {type(exc).__name__}", exc)
             return FAILED
         if not isinstance(out, str):
-            self._fail(f"returned a {type(out).__name__}, not a str", None)
+            self._fail(f"returned {type(out).__name__}, not str", None)
             return FAILED
         if out != value:
             self.changed = True
