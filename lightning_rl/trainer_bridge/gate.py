@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
 from typing import Any
 
+from ..diagnostics import report_failure
 from ..errors import LightningRLError, PublishError
 from ..records import RolloutStatus
 from ..store.queries import trajectory
@@ -106,8 +107,10 @@ class Gate:
         finally:
             try:
                 unload_served(self.server_url, self.candidate_name)
-            except PublishError:  # the slot is reused by the next candidate (load_inplace) anyway
-                pass
+            except PublishError as exc:  # the slot is reused by the next candidate (load_inplace) anyway
+                report_failure("gate candidate unload", exc, message=(
+                    f"lightning-rl: the gate could not unload {self.candidate_name!r} from {self.server_url} "
+                    f"({exc}); the next candidate replaces it in place (counted, logged once)"))
         live = self.live_rewards(live_version)
         return not_worse(candidate, live, margin=self.margin, confidence=self.confidence)
 
