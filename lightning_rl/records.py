@@ -283,6 +283,8 @@ class Decision(StrEnum):
     PROMOTED = "promoted"  # the candidate went live (its publish is the policy record beside it)
     REFUSED = "refused"  # the candidate was not published; the live policy stayed
     ROLLED_BACK = "rolled_back"  # an earlier version was made live again (by hand, or by the watch)
+    CANARY = "canary"  # the candidate serves a share of production under its own name (figures: canary_name,
+    #                    canary_share, canary_until) until the next decision about the served name
 
 
 class PolicyDecision(_Record):

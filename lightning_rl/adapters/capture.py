@@ -139,6 +139,9 @@ class CapturedCall:
         extra: dict[str, Any] = {}
         if state.sampling:  # the trainer's sampling settings win over the agent's (verl)
             extra.update({k: v for k, v in state.sampling.items() if v is not None})
+        self.canary = tracing.canary(state.mode, state.rollout_id, request.get("model"))
+        if self.canary is not None:  # a production call on canary: sent to the candidate's name (canary.py)
+            extra["model"] = self.canary.candidate
         request = {**request, **extra} if extra else request
         self.server = server.key
         self.injected: tuple[str, ...] = ()
@@ -160,7 +163,7 @@ class CapturedCall:
         hint = _llm_hint.get()
         self.agent = (hint.agent if hint is not None else None) or current_agent_name()
         self.model = request.get("model")
-        self.version = tracing.policy_version(self.model)
+        self.version = self.canary.version if self.canary is not None else tracing.policy_version(self.model)
         self.done = False
         self.streamed = False
         self.choices: dict[int, _Choice] = {}
@@ -363,7 +366,7 @@ class CapturedCall:
                 common[semconv.INCOMPLETE] = True
             if self.streamed:
                 common[semconv.STREAMED] = True
-            version_end = tracing.policy_version(self.model)
+            version_end = self.version if self.canary is not None else tracing.policy_version(self.model)
             if version_end != self.version:  # a publish landed while the call ran
                 common[semconv.POLICY_VERSION_END] = version_end
             indices = sorted(self.choices) or [0]

@@ -407,6 +407,11 @@ class HttpStore:
         return [PolicyDecision.model_validate(x) for x in self._request(
             "GET", "/decisions", params=dict(served_name=served_name), older=self._older_decisions())]
 
+    def latest_decisions(self) -> dict[str, PolicyDecision]:
+        found = [PolicyDecision.model_validate(x) for x in self._request(
+            "GET", "/decisions", params=dict(latest="true"), older=self._older_decisions())]
+        return {d.served_name: d for d in found}
+
     def _older_decisions(self) -> str:
         return (f"the store server {self.url} has no policy decisions endpoint ({wire.API_PREFIX}/decisions): it runs "
                 "a lightning-rl older than this client. Upgrade lightning-rl where it runs (pip install -U "

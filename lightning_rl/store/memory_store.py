@@ -325,6 +325,11 @@ class InMemoryStore:
             found = [d for d in self._decisions if served_name is None or d.served_name == served_name]
         return [d.model_copy(deep=True) for d in found]
 
+    def latest_decisions(self) -> dict[str, PolicyDecision]:
+        with self._lock:
+            latest = {d.served_name: d for d in self._decisions}
+        return {name: d.model_copy(deep=True) for name, d in latest.items()}
+
 
 class _QueueView:
     def __init__(self, entries: dict[str, QueueEntry]) -> None:

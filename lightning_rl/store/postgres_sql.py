@@ -231,10 +231,16 @@ def insert_decision(cur: Any, record: PolicyDecision) -> None:
     cur.execute(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES ({marks})", decision_values(record))
 
 
-def query_decisions(conn: Any, served_name: str | None) -> list[PolicyDecision]:
-    sql, params = f"SELECT {', '.join(DECISION_COLUMNS)} FROM decisions", []
+def query_decisions(conn: Any, served_name: str | None, *, latest: bool = False) -> list[PolicyDecision]:
+    """In the order they were recorded; ``latest``: only the last decision about each name."""
+    where, params = [], []
     if served_name is not None:
-        sql, params = sql + " WHERE served_name = %s", [served_name]
+        where, params = ["served_name = %s"], [served_name]
+    if latest:
+        where.append("decision_id IN (SELECT max(decision_id) FROM decisions GROUP BY served_name)")
+    sql = f"SELECT {', '.join(DECISION_COLUMNS)} FROM decisions"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
     return [decision_from_row(r) for r in _rows(conn, sql + " ORDER BY decision_id", params)]
 
 

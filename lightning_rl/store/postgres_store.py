@@ -498,3 +498,7 @@ class PostgresStore:
 
     def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
         return self._with(lambda conn: sql.query_decisions(conn, served_name), what="decisions")
+
+    def latest_decisions(self) -> dict[str, PolicyDecision]:
+        return {d.served_name: d for d in self._with(lambda conn: sql.query_decisions(conn, None, latest=True),
+                                                     what="latest_decisions")}

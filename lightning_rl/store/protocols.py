@@ -154,11 +154,16 @@ class PolicyLog(Protocol):
                         adapter: str | None = None, figures: Mapping[str, Any] | None = None,
                         reason: str | None = None, time: float | None = None) -> PolicyDecision:
         """Record a decision about ``served_name``'s policy (``Decision``: evaluated, promoted, refused,
-        rolled_back) with its figures, next to the publishes. Durable on return."""
+        rolled_back, canary) with its figures, next to the publishes. Durable on return."""
         ...
 
     def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
         """Every recorded decision (about ``served_name``, or all), oldest first."""
+        ...
+
+    def latest_decisions(self) -> dict[str, PolicyDecision]:
+        """The latest decision about each served name (a ``canary`` one: a candidate takes a share of its
+        production traffic now)."""
         ...
 
 

@@ -317,9 +317,15 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         return _json(record.model_dump(mode="json"))
 
     @app.get(f"{p}/decisions", response_model=list[PolicyDecision])
-    async def decisions(served_name: str | None = None) -> Response:
-        """Recorded decisions, oldest first (of ``served_name``, or all)."""
-        found = await anyio.to_thread.run_sync(lambda: store.decisions(served_name))
+    async def decisions(served_name: str | None = None, latest: bool = False) -> Response:
+        """Recorded decisions, oldest first (of ``served_name``, or all); ``latest``: the last one about each
+        served name (a canary in progress, ``continuous.py``)."""
+        def read() -> list[PolicyDecision]:
+            if latest:
+                return [d for d in store.latest_decisions().values() if served_name in (None, d.served_name)]
+            return store.decisions(served_name)
+
+        found = await anyio.to_thread.run_sync(read)
         return _json([r.model_dump(mode="json") for r in found])
 
     @app.get(f"{p}/policies", response_model=list[PolicyRecord])

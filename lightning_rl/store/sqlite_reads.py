@@ -172,11 +172,16 @@ def query_policies(conn: sqlite3.Connection, served_name: str | None, *, latest:
             for n, v, a, t, g in rows]
 
 
-def query_decisions(conn: sqlite3.Connection, served_name: str | None) -> list[PolicyDecision]:
-    """In the order they were recorded."""
-    sql, params = f"SELECT {', '.join(DECISION_COLUMNS)} FROM decisions", []
+def query_decisions(conn: sqlite3.Connection, served_name: str | None, *, latest: bool = False) -> list[PolicyDecision]:
+    """In the order they were recorded; ``latest``: only the last decision about each name."""
+    where, params = [], []
     if served_name is not None:
-        sql, params = sql + " WHERE served_name = ?", [served_name]
+        where, params = ["served_name = ?"], [served_name]
+    if latest:
+        where.append("decision_id IN (SELECT max(decision_id) FROM decisions GROUP BY served_name)")
+    sql = f"SELECT {', '.join(DECISION_COLUMNS)} FROM decisions"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
     try:
         rows = conn.execute(sql + " ORDER BY decision_id", params).fetchall()
     except sqlite3.OperationalError as exc:  # a store of schema 11 opened read-only (the viewer never migrates)

@@ -427,3 +427,7 @@ class SQLiteStore:
     def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
         with self._rlock:
             return sql.query_decisions(self._rconn, served_name)
+
+    def latest_decisions(self) -> dict[str, PolicyDecision]:
+        with self._rlock:
+            return {d.served_name: d for d in sql.query_decisions(self._rconn, None, latest=True)}

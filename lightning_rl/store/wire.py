@@ -180,7 +180,7 @@ class DecisionIn(_Wire):
 
     served_name: str = Field(min_length=1, max_length=256)
     version: NonNegativeInt64
-    decision: Literal["evaluated", "promoted", "refused", "rolled_back"]
+    decision: Literal["evaluated", "promoted", "refused", "rolled_back", "canary"]
     live_version: NonNegativeInt64 | None = None
     adapter: str | None = Field(None, max_length=4096)
     figures: dict[Annotated[str, Field(max_length=256)],

@@ -28,6 +28,7 @@ from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
 from ..records import PackedTokens, SpanRow
 from ..settings import Settings, load_redactor
+from .canary import Canary, canaries_from
 from .context import _our_span, _rollout
 from .records import KIND_NAMES, STATUS_NAMES, RecordSpan, RecordTracer
 from .redaction import FAILED, redact_readable, redact_row
@@ -146,6 +147,7 @@ class Tracing:
         self._set_at: dict[str | None, float] = {}
         self._published: dict[str, tuple[int, float]] = {}  # the store's latest publish: (version, time)
         self._published_at = float("-inf")
+        self._canaries: dict[str, Canary] = {}  # the candidates on canary, by the live name (canary.py)
         self._refreshing: threading.Thread | None = None
         limits = SpanLimits(
             max_span_attributes=512,
@@ -274,6 +276,7 @@ class Tracing:
         with self._lock:
             self._policy_versions, self._set_at = {None: default}, {}
             self._published, self._published_at = {}, float("-inf")
+            self._canaries = {}
 
     def policy_version(self, model: str | None = None) -> int:
         """The version ``model`` (a served name) answers with, as this process knows it now. With no
@@ -318,7 +321,23 @@ class Tracing:
             self._published = {name: (p.version, p.time) for name, p in sink.latest_policies().items()}
         except Exception as exc:
             report_failure("reading published policy versions", exc)
+        if hasattr(sink, "latest_decisions"):
+            try:
+                self._canaries = canaries_from(sink.latest_decisions())
+            except Exception as exc:
+                report_failure("reading the canaries in progress", exc)
         self._published_at = asked
+
+    def canary(self, mode: Any, rollout_id: str, model: Any) -> Canary | None:
+        """The candidate a production rollout's call to ``model`` goes to instead (``canary.py``), or None."""
+        if mode != "prod" or not isinstance(model, str):
+            return None
+        self._store_versions()  # refreshed with the publishes
+        canary = self._canaries.get(model)
+        if canary is None or time.time() >= canary.until or not canary.routes(rollout_id):
+            return None
+        count("llm_calls_routed_to_canary")
+        return canary
 
 
 def _unloadable(text: str) -> str:

@@ -169,3 +169,10 @@ def test_decisions_are_kept_beside_the_publishes_with_their_figures(store):
     with pytest.raises(ConfigurationError, match="figures"):
         store.record_decision("policy", 1, "evaluated", figures={"gate_lower_bound": math.nan})
     assert len(store.decisions()) == 4
+    latest = store.latest_decisions()  # the last decision about each name: what a tracer routes by (a canary)
+    assert {n: (d.version, d.decision) for n, d in latest.items()} == {
+        "policy": (0, Decision.ROLLED_BACK), "other": (4, Decision.PROMOTED)}
+    store.record_decision("policy", 2, "canary", live_version=0, figures={"canary_share": 0.1,
+                                                                        "canary_name": "policy-candidate"})
+    canary = store.latest_decisions()["policy"]
+    assert canary.decision == Decision.CANARY and canary.figures["canary_share"] == 0.1
