@@ -139,15 +139,25 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
               "reward drops beyond --gate-margin at --gate-confidence (the gate's test, from above).")
 @click.option("--watch-min-rollouts", type=int, default=16, show_default=True,
               help="Rewarded production rollouts of a new version before the watch judges it.")
+@click.option("--canary", type=float, default=0.0, show_default=True, metavar="SHARE",
+              help="Before going live, serve each candidate to this share of production rollouts (e.g. 0.1) under "
+              "<served-name>-candidate, and publish it only if its production reward is not worse (the gate's test).")
+@click.option("--canary-min-rollouts", type=int, default=16, show_default=True,
+              help="Rewarded canary rollouts before the canary is judged.")
+@click.option("--canary-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a canary may wait for its feedback; a candidate short of it then is refused.")
 @errors
 def train_continuous(store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
                      temperature, interval, max_updates, seed, loggers, gate_path, gate_agent, gate_n, gate_margin,
-                     gate_confidence, rollback_watch, watch_min_rollouts) -> None:
+                     gate_confidence, rollback_watch, watch_min_rollouts, canary, canary_min_rollouts,
+                     canary_timeout) -> None:
     """Keep training the served LoRA from production rollouts (mode prod) as their rewards arrive.
 
     With --gate-tasks and --gate-agent, each update is a candidate evaluated beside the live policy and
-    published only when not worse; with --rollback-watch, a published version whose production reward
-    drops is replaced by the one before (docs/continuous-safety.md).
+    published only when not worse; with --canary SHARE, each candidate serves that share of production
+    first and is published only when its production reward is not worse; with --rollback-watch, a
+    published version whose production reward drops is replaced by the one before
+    (docs/continuous-safety.md).
 
     Example: lightning-rl train continuous --store runs.db --model-dir base/ --server-url http://127.0.0.1:8000 --reward-name user_feedback --gate-tasks held_out.jsonl --gate-agent my_pkg.agents:solve
     """
@@ -167,15 +177,21 @@ def train_continuous(store, model_dir, server_url, served_name, out, min_new, ma
             min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
             local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
             loggers=list(loggers), gate_tasks=gate_tasks, gate_agent=solve, gate_n=gate_n, gate_margin=gate_margin,
-            gate_confidence=gate_confidence, rollback_watch=rollback_watch, watch_min_rollouts=watch_min_rollouts)
+            gate_confidence=gate_confidence, rollback_watch=rollback_watch, watch_min_rollouts=watch_min_rollouts,
+            canary=canary, canary_min_rollouts=canary_min_rollouts, canary_timeout=canary_timeout)
     except BaseException:
         opened.close()
         raise
     if solve is not None:
         _api.configure(store=opened)  # the gate agent's spans go to the store the gate reads
-    trainer.start()
-    click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded rollouts")
-    trainer.run(interval=interval, max_updates=max_updates)
+    try:
+        trainer.start()
+        click.echo(f"serving policy version {trainer.version} as {served_name!r}; waiting for {min_new} rewarded "
+                   "rollouts")
+        trainer.run(interval=interval, max_updates=max_updates)
+    finally:  # Ctrl-C too: a canary in progress ends now (refused), its routing with it
+        trainer.close()
+        opened.close()
 
 
 @train.command("replay")

@@ -15,6 +15,16 @@ policy, and published only when not worse; a refused candidate stays on disk, it
 and training goes on from the live policy's weights (reloaded into the local model). The gate's figures
 and decision are in the log and the metrics line (``gate_*``).
 
+With ``canary`` (a share, e.g. 0.1), a candidate (the gate's promoted one, when there is a gate) is
+then loaded into the engine under ``<served_name>-candidate`` and a ``canary`` decision is recorded: every
+process's ``@trace`` (and the gateway) sends that share of production rollouts to it (``tracer/canary.py``).
+No batch is taken meanwhile. Once ``canary_min_rollouts`` of its rollouts are rewarded, their rewards are
+tested against the live version's rollouts begun over the same time (the gate's test); the candidate is
+published when not worse, else refused (as the gate refuses). Without enough rewarded canary rollouts in
+``canary_timeout`` seconds it is refused: no evidence, no promotion. The update's metrics line is written
+when the canary ends, with its figures (``canary_*``). Canary rollouts are never trained on. A trainer
+started again finds the canary its last run left and ends it (refused, with the reason).
+
 A rollback (``lightning-rl policies rollback``, ``rollback.py``) publishes an earlier version again; the
 trainer sees that latest publish at its next step (``step``: before reading the store; ``run``: when a
 batch is ready, before updating) and goes on from those weights: production rollouts served by a version
@@ -44,12 +54,13 @@ from .gate import Gate
 from .local import LocalBackend, load_adapter
 from .loggers import MetricsLog, make_loggers, sample_rows
 from .noninferiority import not_worse
-from .publishers import Publisher, make_publisher, publish_and_record
+from .publishers import Publisher, load_served, make_publisher, publish_and_record
 from .rollback import rollback
 from .sources import ProductionStream, StepBatch
 
 log = logging.getLogger(__name__)
 Fraction = Annotated[float, Field(strict=True, ge=0.5, lt=1.0)]
+Share = Annotated[float, Field(strict=True, ge=0.0, lt=1.0)]
 
 
 class ContinuousTrainer(ConfigModel):
@@ -83,6 +94,9 @@ class ContinuousTrainer(ConfigModel):
     rollback_watch: Flag = False  # after each publish, restore the previous version if production reward drops
     watch_min_rollouts: Count = Field(16, description="rewarded production rollouts of a new version before it is "
                                       "judged by the rollback watch")
+    canary: Share = 0.0  # share of production rollouts a candidate serves before it goes live; 0: no canary
+    canary_min_rollouts: Count = Field(16, description="rewarded canary rollouts before the canary is judged")
+    canary_timeout: Positive = 600.0  # seconds: a candidate without enough canary feedback by then is refused
 
     _source: ProductionStream = PrivateAttr()
     _backend: LocalBackend | None = PrivateAttr(None)
@@ -91,6 +105,7 @@ class ContinuousTrainer(ConfigModel):
     _gate: Gate | None = PrivateAttr(None)
     _live_adapter: str | None = PrivateAttr(None)  # where the live policy's weights are
     _watching: tuple[int, int] | None = PrivateAttr(None)  # (version published, the one it replaced)
+    _pending: dict[str, Any] | None = PrivateAttr(None)  # the update on canary: its metrics line so far
 
     def model_post_init(self, context: Any) -> None:
         if bool(self.gate_tasks) != (self.gate_agent is not None):
@@ -139,6 +154,7 @@ class ContinuousTrainer(ConfigModel):
         if self.version >= 0:  # resume from the last published adapter
             load_adapter(self._backend, adapters / f"v{self.version:05d}")
         self._follow_live()  # rolled back while stopped: go on from that version
+        self._end_stranded_canary()
         self._publisher = self.publisher or make_publisher(
             "vllm_lora", server_url=self.server_url, adapter_dir=adapters, served_name=self.served_name)
         version = max(self.version, 0)
@@ -159,8 +175,11 @@ class ContinuousTrainer(ConfigModel):
         self._follow_live()
         began = time.perf_counter()
         batch = self._source.poll()
-        if not self._watch(batch):
+        canary = self._pending
+        if not self._on_check(batch):
             return None
+        if canary is not None and self._pending is None:  # this check ended a canary: its update's line
+            return canary["line"]
         return None if batch is None else self._update(batch, began)
 
     def _update(self, batch: StepBatch, began: float) -> dict[str, Any]:
@@ -174,6 +193,9 @@ class ContinuousTrainer(ConfigModel):
             gated = time.perf_counter()
             gate["gate_seconds"] = gated - trained
             trained = gated
+        if self.canary and (not gate or gate["gate_decision"] == "promoted"):
+            self._start_canary(version, batch, gate, metrics, began, read, trained)
+            return self._pending["line"]
         if not gate or gate["gate_decision"] == "promoted":
             live = self.version
             self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
@@ -189,17 +211,116 @@ class ContinuousTrainer(ConfigModel):
         line = {"version": self.version, **gate, **batch.metrics, **metrics, "read_seconds": read - began,
                 "update_seconds": trained - read - gate.get("gate_seconds", 0.0),
                 "publish_seconds": published - trained, "time": time.time()}
+        self._write(line, batch, version)
+        return line
+
+    def _write(self, line: dict[str, Any], batch: StepBatch, step: int) -> None:
         if self._metrics is None:
             config = {"served_name": self.served_name, "min_new": self.min_new, "max_policy_lag": self.max_policy_lag,
                       "reward_name": self.reward_name, "credit": self.credit, "level": self.level, "seed": self.seed,
                       "gate_tasks": len(self.gate_tasks), "gate_n": self.gate_n, "gate_margin": self.gate_margin,
                       "gate_confidence": self.gate_confidence, "rollback_watch": self.rollback_watch,
-                      "watch_min_rollouts": self.watch_min_rollouts,
+                      "watch_min_rollouts": self.watch_min_rollouts, "canary": self.canary,
+                      "canary_min_rollouts": self.canary_min_rollouts, "canary_timeout": self.canary_timeout,
                       **{f"local.{k}": v for k, v in self.local.scalars().items()}}
             self._metrics = MetricsLog(self.metrics_path, make_loggers(
                 self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
-        self._metrics.write(line, version, sample_rows(batch.groups))
-        return line
+        self._metrics.write(line, step, sample_rows(batch.groups))
+
+    # -- the canary ---------------------------------------------------------------------------------
+    def _start_canary(self, version: int, batch: StepBatch, gate: dict[str, Any], metrics: dict[str, Any],
+                      began: float, read: float, trained: float) -> None:
+        """Serve the candidate under its own name to ``canary`` of production (module doc)."""
+        path = gate.get("candidate_adapter") or str(self._save_candidate(version))
+        name = self._source.canary_name
+        load_served(self.server_url, name, path)
+        started = time.time()
+        until = started + self.canary_timeout + 60.0  # processes stop routing by then, whatever happens here
+        self.store.record_decision(self.served_name, version, "canary", live_version=self.version, adapter=path,
+                                   figures={"canary_name": name, "canary_share": self.canary,
+                                            "canary_until": until, "canary_min_rollouts": self.canary_min_rollouts},
+                                   reason=f"{self.canary:.0%} of production to {name!r}")
+        log.warning("lightning-rl canary: candidate v%d serves %.0f%% of production as %r against live v%d",
+                    version, 100 * self.canary, name, self.version)
+        self._source.canary, self._source.hold = (version, started), True
+        self._source.canary_rewards, self._source.canary_live = {}, {}
+        line = {"version": self.version, **gate, **batch.metrics, **metrics, "read_seconds": read - began,
+                "update_seconds": trained - read - gate.get("gate_seconds", 0.0), "candidate_version": version,
+                "candidate_adapter": path, "live_version": self.version}
+        self._pending = {"line": line, "batch": batch, "version": version, "adapter": path, "started": started,
+                         "clock": time.perf_counter()}
+
+    def _save_candidate(self, version: int) -> Path:
+        folder = self.out_dir / "candidates"
+        tries = len(list(folder.glob(f"v{version:05d}.*"))) if folder.is_dir() else 0
+        path = (folder / f"v{version:05d}.{tries + 1}").resolve()
+        self._backend.adapter().save_pretrained(str(path))
+        return path
+
+    def _judge_canary(self) -> bool:
+        """After a check of the store: end the canary when its rollouts are rewarded enough, or when its
+        time is out. Returns True while it goes on (no batch is taken)."""
+        pending = self._pending
+        if pending is None:
+            return False
+        candidate = list(self._source.canary_rewards.values())
+        live = list(self._source.canary_live.values())
+        waited = time.time() - pending["started"]
+        if len(candidate) < self.canary_min_rollouts or len(live) < 2:
+            if waited < self.canary_timeout:
+                return True
+            return self._end_canary(None, f"only {len(candidate)} rewarded canary rollout(s) (of "
+                                          f"{self.canary_min_rollouts}) and {len(live)} live one(s) in {waited:.0f}s")
+        test = not_worse(candidate, live, margin=self.gate_margin, confidence=self.gate_confidence)
+        return self._end_canary(test, None)
+
+    def _end_canary(self, test: Any, short: str | None) -> bool:
+        pending, self._pending = self._pending, None
+        version, line = pending["version"], pending["line"]
+        self._source.canary, self._source.hold = None, False
+        promoted = test is not None and test.not_worse
+        figures = {f"canary_{k}": v for k, v in test.figures().items()} if test is not None else {}
+        figures.update({"canary_share": self.canary, "canary_seconds": time.time() - pending["started"]})
+        if test is None:
+            reason = f"refused: {short}; no evidence, no promotion"
+        else:
+            reason = (f"canary: production reward {test.mean_candidate:.4f} (n={test.n_candidate}) against "
+                      f"{test.mean_live:.4f} (n={test.n_live}) of the live version; lower bound "
+                      f"{test.lower_bound:.4f} {'>=' if promoted else '<'} -margin {-test.margin:.4f}")
+        log.warning("lightning-rl canary: candidate v%d %s: %s", version, "promoted" if promoted else "refused", reason)
+        live = self.version
+        began = time.perf_counter()
+        if promoted:
+            self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
+            self._source.published(version)
+            self._watching = (version, live) if self.rollback_watch else None
+        else:
+            self._source.discarded()
+            load_adapter(self._backend, self._live_adapter)
+        self.store.record_decision(self.served_name, version, "promoted" if promoted else "refused", live_version=live,
+                                   adapter=pending["adapter"], figures={k: v for k, v in line.items()
+                                                                        if k.startswith("gate_")} | figures,
+                                   reason=reason)
+        line.update(figures, version=self.version, canary_decision="promoted" if promoted else "refused",
+                    canary_promoted=int(promoted), publish_seconds=time.perf_counter() - began, time=time.time())
+        self._write(line, pending["batch"], version)
+        return False
+
+    def _end_stranded_canary(self) -> None:
+        """A canary a previous run of this served name left (it stopped mid-canary): ended, refused."""
+        latest = self.store.latest_decisions().get(self.served_name) if hasattr(self.store, "latest_decisions") else None
+        if latest is None or latest.decision != "canary":
+            return
+        self.store.record_decision(self.served_name, latest.version, "refused", live_version=self.version,
+                                   adapter=latest.adapter, reason="the trainer stopped during the candidate's canary; "
+                                   "a trainer started again ended it")
+        log.warning("lightning-rl canary: ended the canary of candidate v%d a previous run left", latest.version)
+
+    def _on_check(self, batch: StepBatch | None) -> bool:
+        """After every check of the store: the canary, then the rollback watch."""
+        if self._judge_canary():
+            return False
+        return self._watch(batch)
 
     def _follow_live(self) -> None:
         """Adopt the store's latest publish of ``served_name`` when it is not this trainer's version (a
@@ -259,10 +380,7 @@ class ContinuousTrainer(ConfigModel):
 
     def _judge(self, version: int) -> dict[str, Any]:
         """Save the candidate, run the gate, log its figures; returns them (``gate_*``) with the decision."""
-        folder = self.out_dir / "candidates"
-        tries = len(list(folder.glob(f"v{version:05d}.*"))) if folder.is_dir() else 0
-        path = (folder / f"v{version:05d}.{tries + 1}").resolve()
-        self._backend.adapter().save_pretrained(str(path))
+        path = self._save_candidate(version)
         test = self._gate.check(str(path), self.version)
         decision = "promoted" if test.not_worse else "refused"
         figures = {f"gate_{k}": v for k, v in test.figures().items()}
@@ -291,14 +409,20 @@ class ContinuousTrainer(ConfigModel):
         updates = 0
         while max_updates is None or updates < max_updates:
             began = time.perf_counter()
-            batch = self._source.next_batch(on_check=self._watch)
+            batch = self._source.next_batch(on_check=self._on_check)
             if batch is None:  # closed
                 return
             self._follow_live()
             self._update(batch, began)
             updates += 1
+        while self._pending is not None and not self._source.closed:  # the last update's canary
+            self._on_check(self._source.poll())
+            if self._pending is not None:
+                self._source.wait(interval)
 
     def close(self) -> None:
+        if self._pending is not None:  # routing stops now, not at canary_until
+            self._end_canary(None, "the trainer stopped before the canary was judged")
         self._source.close()
         if self._gate is not None:
             self._gate.close()

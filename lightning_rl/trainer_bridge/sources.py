@@ -235,7 +235,13 @@ class ProductionStream:
     publish and the state's save neither goes back a version nor trains twice on one batch. Rollouts used
     or dropped are remembered only while they could still be trained on (served at most
     ``max_policy_lag`` versions ago): the state stays bounded however long the stream runs, and an older
-    rollout rewarded again is too stale anyway (dropped and counted)."""
+    rollout rewarded again is too stale anyway (dropped and counted).
+
+    A canary (``continuous.py``): rollouts whose calls went to the candidate's name (``canary_name``) are
+    never trained on (counted as ``canary``); while ``canary`` is set (the candidate's version and when
+    its canary began), the rewards of those begun since go to ``canary_rewards``, and those of the live
+    version's rollouts begun since to ``canary_live``: the two samples the canary's test compares, drawn
+    over the same minutes of traffic. While ``hold`` is set, no batch is taken (the rollouts wait)."""
 
     def __init__(self, store: Store, *, state_path: str | Path, served_name: str = "policy", min_new: int = 32,
                  max_policy_lag: int = 2, reward_name: str = "reward", credit: str = "final", level: str = "call",
@@ -252,6 +258,11 @@ class ProductionStream:
         # last few versions published; in memory only (the rollback watch, continuous.py)
         self.rewards_by_version: dict[int, dict[str, float]] = {}
         self.last_check: dict[str, int] = {}
+        self.canary_name = f"{served_name}-candidate"
+        self.canary: tuple[int, float] | None = None  # (candidate version, when its canary began)
+        self.canary_rewards: dict[str, float] = {}
+        self.canary_live: dict[str, float] = {}
+        self.hold = False
         self._closed = threading.Event()
         self._reset_counts()
 
@@ -348,6 +359,14 @@ class ProductionStream:
     def close(self) -> None:
         self._closed.set()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep ``seconds`` or until closed; returns whether it is closed."""
+        return self._closed.wait(seconds)
+
     # -- checks --------------------------------------------------------------------------------------
     def _reset_counts(self) -> None:
         self._dropped_since_batch = 0
@@ -362,7 +381,7 @@ class ProductionStream:
         dropped = assembled = 0
         # rollouts left with no sample to train on (without_samples), and those of them that lost samples for
         # calling another model or sampling otherwise
-        rejected = {"without_samples": 0, "other_model": 0, "other_sampling": 0}
+        rejected = {"without_samples": 0, "other_model": 0, "other_sampling": 0, "canary": 0}
         for rid in dict.fromkeys([*self.state["pending"], *ids]):
             # A waiting rollout rewarded again is read again (its reward changed); a used one is not.
             if rid in self.state["used"] or rid in self.state["dropped"] or rid in self.state["taking"]:
@@ -380,6 +399,15 @@ class ProductionStream:
             if traj.final_reward is None:
                 continue
             served = self.served_version(traj)
+            began = self.canary is not None and traj.start_time >= self.canary[1]
+            if any(c.model == self.canary_name for c in traj.llm_calls):  # served by a candidate on canary
+                if began and served == self.canary[0]:
+                    self.canary_rewards[rid] = traj.final_reward
+                self.state["used"][rid] = max(served, self.version)
+                rejected["canary"] += 1
+                continue
+            if began and served == self.version:
+                self.canary_live[rid] = traj.final_reward
             self.rewards_by_version.setdefault(served, {})[rid] = traj.final_reward
             if self.version - served > self.max_policy_lag or served > self.version:  # > : served by a version
                 # that was rolled back (lightning-rl policies rollback): not the policy training goes on from
@@ -402,7 +430,7 @@ class ProductionStream:
         if rejected["other_model"] or rejected["other_sampling"]:
             self._warn_skipped(rejected)
         self._dropped_since_batch += dropped
-        if len(self.waiting) < self.min_new:
+        if len(self.waiting) < self.min_new or self.hold:
             return None
         return self._take()
 

@@ -36,3 +36,13 @@ def test_too_few_gate_tries_and_a_bad_confidence_are_refused(tmp_path):
     sure = _run("--gate-tasks", str(one), "--gate-agent", agent, "--gate-n", "4", "--gate-confidence", "1.0",
                 "--store", str(tmp_path / "s.db"))
     assert sure.exit_code == 1 and "gate_confidence" in sure.output and "Traceback" not in sure.output
+
+
+def test_a_canary_share_outside_zero_to_one_is_refused_naming_it(tmp_path):
+    whole = _run("--canary", "1.0", "--store", str(tmp_path / "s.db"))
+    assert whole.exit_code == 1 and "canary" in whole.output and "1.0" in whole.output
+    assert "Traceback" not in whole.output
+    minus = _run("--canary", "-0.1", "--store", str(tmp_path / "s.db"))
+    assert minus.exit_code == 1 and "canary" in minus.output and "-0.1" in minus.output
+    few = _run("--canary", "0.1", "--canary-min-rollouts", "0", "--store", str(tmp_path / "s.db"))
+    assert few.exit_code == 1 and "canary_min_rollouts" in few.output
