@@ -53,26 +53,32 @@ def test_sql_example_gold_queries_run_on_the_shipped_database():
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_continuous_demo_trains_through_the_cli(tmp_path):
-    """examples/continuous/simulate.py, shortened: traffic, late feedback, `lightning-rl train continuous`."""
+    """examples/continuous/simulate.py, shortened: traffic, late feedback, a bad phase, `lightning-rl train
+    continuous` with its gate."""
     from .conftest import ensure_tiny_model
 
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "continuous" / "simulate.py"), "--model-dir", str(ensure_tiny_model()),
          "--minutes", "1", "--rate", "4", "--feedback", "0.9", "--feedback-delay", "2", "--feedback-max", "5",
-         "--min-new", "16", "--temperature", "1.0", "--window", "20", "--out", str(out)],
+         "--min-new", "16", "--temperature", "1.0", "--window", "20", "--gate-tasks", "8", "--bad-from", "0.3",
+         "--bad-until", "0.6", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"success_before", "success_after", "minutes", "updates", "rollouts", "rewards_given",
-            "dropped_stale", "plot", "store"} <= set(summary)
+            "dropped_stale", "plot", "store", "gate_refused", "rolled_back", "max_drop"} <= set(summary)
+    assert summary["gate_refused"] + summary["gate_promoted"] == summary["updates"]  # every candidate was judged
+    assert 0 <= summary["max_drop"] <= 1 and summary["rolled_back"] == 0 and summary["bad_feedback"] >= 1
     assert summary["updates"] >= 1 and summary["rollouts"] >= 100
     assert 0 < summary["rewards_given"] <= summary["rollouts"] - summary["feedback_never"]
     assert summary["trained_on"] <= summary["rewards_given"]
     assert os.path.getsize(summary["plot"]) > 0
     updates = [json.loads(line) for line in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
-    assert [u["version"] for u in updates] == list(range(1, len(updates) + 1))
+    promoted = [u["candidate_version"] for u in updates if u["gate_decision"] == "promoted"]
+    assert promoted == list(range(1, len(promoted) + 1))  # a refused candidate takes no version
+    assert all(u["gate_n_candidate"] == u["gate_n_live"] == 8 for u in updates)
     assert all(u["skipped_other_sampling"] == 0 and u["calls_without_engine_ids"] == 0 for u in updates)
     assert "serving policy version 0" in (out / "trainer.log").read_text()  # the CLI trained it
 

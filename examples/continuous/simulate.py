@@ -12,11 +12,20 @@
    whether it is right.
    A fraction of users give feedback (``store.add_reward``: 1.0 right, 0.0 wrong) after a random
    delay (exponential, capped); the others never do.
-4. The simulator knows every right answer, so it measures the true production success rate in
+4. A bad phase (``--bad-from``/``--bad-until`` minutes of traffic): the users who arrive then give
+   wrong feedback: they reward a confident wrong answer and not a right one (``--bad-kind inverted``),
+   or give a coin flip (``noise``). The trainer cannot tell; it trains on it.
+5. The guard: each update is a candidate, evaluated by the gate before it goes live: the production
+   agent (``gate_agent.py``) on held-out sums (``--gate-tasks`` of them, never asked in production),
+   with the true reward, against the candidate and against the live policy; promoted only when not
+   worse (one-sided Welch test, ``--gate-margin`` at ``--gate-confidence``), else refused and kept on
+   disk, and training goes on from the live policy. ``--gate-tasks 0`` runs without the gate.
+6. The simulator knows every right answer, so it measures the true production success rate in
    windows of time, for all users, including those who never give feedback.
 
-Output: ``production.png`` (success per window, with each published version marked) and a last
-stdout line of JSON.
+Output: ``production.png`` (success per window, each published version and each refusal marked, the
+bad phase shaded) and a last stdout line of JSON (``gate_refused``, ``rolled_back``, ``max_drop``: the
+largest fall of success from one window to the next).
 
 Run: make demo-continuous   (or .venv/bin/python examples/continuous/simulate.py --seed 1)
 """
@@ -58,6 +67,7 @@ class Answer:
     finished: float
     correct: bool
     feedback_delay: float | None  # None: this user never gives feedback
+    bad: bool = False  # arrived in the bad phase: the feedback is wrong
     failed: bool = False  # the request failed: a wrong answer, and no feedback
     feedback_given: bool = False
 
@@ -71,13 +81,27 @@ def make_production_agent(client: openai.AsyncOpenAI, temperature: float):
     return calculator_agent
 
 
-def trainer_command(args: argparse.Namespace, store_url: str, server_url: str, out: Path) -> list[str]:
+def trainer_command(args: argparse.Namespace, store_url: str, server_url: str, out: Path,
+                    gate_path: Path | None) -> list[str]:
     temperature = [] if args.temperature == 1.0 else ["--temperature", str(args.temperature)]
+    gate = [] if gate_path is None else [
+        "--gate-tasks", str(gate_path), "--gate-agent", "examples.continuous.gate_agent:solve",
+        "--gate-margin", str(args.gate_margin), "--gate-confidence", str(args.gate_confidence)]
     return [*shlex.split(args.cli), "train", "continuous",
             "--store", store_url, "--model-dir", args.model_dir, "--server-url", server_url,
             "--served-name", SERVED, "--out", str(out / "trainer"), "--min-new", str(args.min_new),
             "--max-policy-lag", str(args.max_policy_lag), "--reward-name", args.reward_name,
-            "--lr", str(args.lr), "--interval", str(args.interval), *temperature]
+            "--lr", str(args.lr), "--interval", str(args.interval), *temperature, *gate]
+
+
+def feedback_value(answer: Answer, kind: str, rng: random.Random) -> float:
+    """What the user says: 1.0 for a right answer, 0.0 for a wrong one, unless they arrived in the bad
+    phase: then ``inverted`` rewards the wrong answer and not the right one, ``noise`` flips a coin."""
+    if not answer.bad:
+        return 1.0 if answer.correct else 0.0
+    if kind == "inverted":
+        return 0.0 if answer.correct else 1.0
+    return float(rng.random() < 0.5)
 
 
 def check_cli(args: argparse.Namespace) -> None:
@@ -103,9 +127,11 @@ def wait_for_version0(store, trainer: subprocess.Popen, timeout: float = 600.0) 
     raise SystemExit(f"the trainer published nothing in {timeout:.0f}s")
 
 
-async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0: float) -> list[Answer]:
-    """Questions at Poisson times for ``args.minutes``; feedback after its delay while traffic lasts."""
-    tasks = make_tasks(100_000, seed=args.seed)
+async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0: float,
+                  held_out: set[tuple[int, int]]) -> list[Answer]:
+    """Questions at Poisson times for ``args.minutes`` (never a held-out one); feedback after its delay
+    while traffic lasts."""
+    tasks = make_tasks(100_000, seed=args.seed, exclude=held_out)
     answers: list[Answer] = []
     in_flight = asyncio.Semaphore(args.concurrency)
     running: set[asyncio.Task] = set()
@@ -113,7 +139,7 @@ async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0
 
     async def feedback(answer: Answer) -> None:
         await asyncio.sleep(max(0.0, t0 + answer.finished + answer.feedback_delay - time.time()))
-        await asyncio.to_thread(store.add_reward, answer.rollout_id, 1.0 if answer.correct else 0.0,
+        await asyncio.to_thread(store.add_reward, answer.rollout_id, feedback_value(answer, args.bad_kind, rng),
                                 name=args.reward_name, uid=f"feedback-{answer.rollout_id}")
         answer.feedback_given = True
 
@@ -127,7 +153,8 @@ async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0
                     print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     text = None
         answer = Answer(rollout_id, arrived, time.time() - t0,
-                        text is not None and text.strip() == str(task["a"] + task["b"]), delay, failed=text is None)
+                        text is not None and text.strip() == str(task["a"] + task["b"]), delay,
+                        bad=args.bad_from * 60 <= arrived < args.bad_until * 60, failed=text is None)
         answers.append(answer)
         if delay is not None and not answer.failed:
             await feedback(answer)
@@ -164,11 +191,18 @@ def windows(answers: list[Answer], width: float, minutes: float) -> list[dict]:
     return out
 
 
+def max_drop(wins: list[dict]) -> float:
+    """The largest fall of success from one window to the next (0.0 when it never falls)."""
+    rates = [w["success"] for w in wins if w["success"] is not None]
+    return max([0.0, *(a - b for a, b in zip(rates, rates[1:]))])
+
+
 def rate(answers: list[Answer]) -> float | None:
     return sum(a.correct for a in answers) / len(answers) if answers else None
 
 
-def plot(path: Path, wins: list[dict], publishes: list[tuple[int, float]], title: str) -> None:
+def plot(path: Path, wins: list[dict], publishes: list[tuple[int, float]], refused: list[tuple[int, float]],
+         bad: tuple[float, float], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +211,12 @@ def plot(path: Path, wins: list[dict], publishes: list[tuple[int, float]], title
     fig, ax = plt.subplots(figsize=(7, 3.9), dpi=110)
     xs = [(w["start"] + w["end"]) / 120 for w in wins if w["success"] is not None]
     ys = [w["success"] for w in wins if w["success"] is not None]
+    if bad[1] > bad[0]:
+        ax.axvspan(bad[0], bad[1], color="tab:red", alpha=0.08, label="bad phase: users' feedback is wrong")
     ax.plot(xs, ys, marker="o", label="production success (all users, per window)")
+    for k, (version, at) in enumerate(refused):
+        ax.plot([at / 60], [0.0], marker="x", color="tab:red", linestyle="none",
+                label="candidate refused by the gate" if k == 0 else None)
     for k, (version, at) in enumerate(publishes):
         if version == 0:
             continue
@@ -188,7 +227,7 @@ def plot(path: Path, wins: list[dict], publishes: list[tuple[int, float]], title
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.05, 1.08)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
@@ -225,6 +264,13 @@ def main() -> None:
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer (OMP_NUM_THREADS): it shares the cores with vLLM")
     parser.add_argument("--window", type=float, default=30.0, help="seconds per success window")
+    parser.add_argument("--bad-from", type=float, default=3.0, help="minute of traffic the bad phase begins")
+    parser.add_argument("--bad-until", type=float, default=4.5, help="minute of traffic it ends (= --bad-from: none)")
+    parser.add_argument("--bad-kind", choices=["inverted", "noise"], default="inverted",
+                        help="inverted: users reward wrong answers, not right ones; noise: a coin flip")
+    parser.add_argument("--gate-tasks", type=int, default=64, help="held-out sums the gate asks (0: no gate)")
+    parser.add_argument("--gate-margin", type=float, default=0.1)
+    parser.add_argument("--gate-confidence", type=float, default=0.9)
     add_run_arguments(parser, "demo-continuous")
     args = parser.parse_args()
     started = time.time()
@@ -232,16 +278,23 @@ def main() -> None:
     check_cli(args)
     rng = random.Random(args.seed)
     store_url = f"sqlite:///{out / 'runs.db'}"
+    gate_tasks = make_tasks(args.gate_tasks, seed=10_000 + args.seed)
+    held_out = {(t["a"], t["b"]) for t in gate_tasks}
+    gate_path = None
+    if gate_tasks:
+        gate_path = out / "gate_tasks.jsonl"
+        gate_path.write_text("".join(json.dumps(t) + "\n" for t in gate_tasks))
 
     with contextlib.ExitStack() as stack:
         print(f"serving {args.model_dir} with vLLM (CPU, LoRA hot-loading) ...", flush=True)
         server = stack.enter_context(lrl.VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16,
                                                 log_path=out / "vllm.log"))
         store = lrl.configure(store=store_url)
-        command = trainer_command(args, store_url, server.url, out)
+        command = trainer_command(args, store_url, server.url, out, gate_path)
         print("trainer:", " ".join(command), flush=True)
         log = stack.enter_context(open(out / "trainer.log", "w"))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.trainer_threads)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.trainer_threads),
+               "DEMO_GATE_TEMPERATURE": str(args.temperature)}
         trainer = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
         stack.callback(stop, trainer)
         wait_for_version0(store, trainer)
@@ -250,11 +303,13 @@ def main() -> None:
         t0 = time.time()
         print(f"traffic: {args.rate}/s for {args.minutes} min, {args.feedback:.0%} of users give feedback "
               f"after ~{args.feedback_delay:.0f}s (at most {args.feedback_max:.0f}s)", flush=True)
-        answers = asyncio.run(traffic(agent, store, args, rng, t0))
+        answers = asyncio.run(traffic(agent, store, args, rng, t0, held_out))
         stop(trainer)
         store.flush()
 
     publishes = [(p.version, p.time - t0) for p in store.policies(SERVED)]  # what the trainer recorded
+    decisions = store.decisions(SERVED)
+    refused = [(d.version, d.time - t0) for d in decisions if d.decision == "refused"]
     metrics_path = out / "trainer" / "metrics.jsonl"
     updates = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     first_update = next((at for v, at in publishes if v >= 1), None)
@@ -269,8 +324,9 @@ def main() -> None:
         by_version.setdefault(served.get(a.rollout_id) or 0, []).append(a.correct)
     success_before, success_after = rate(before), rate(after)
     plot_path = out / "production.png"
-    plot(plot_path, wins, publishes,
-         f"calculator agent in production (temperature {args.temperature:g}), seed {args.seed}\n"
+    guard = (f"gate: {args.gate_tasks} held-out sums, margin {args.gate_margin:g}" if gate_path else "no gate")
+    plot(plot_path, wins, publishes, refused, (args.bad_from, args.bad_until),
+         f"calculator agent in production (temperature {args.temperature:g}), seed {args.seed}; {guard}\n"
          f"{args.rate:g} questions/s, {args.feedback:.0%} give feedback; trainer: min_new {args.min_new}, "
          f"lr {args.lr:g}, max_policy_lag {args.max_policy_lag}")
     with (out / "windows.jsonl").open("w") as f:
@@ -284,10 +340,16 @@ def main() -> None:
         "success_by_version": {v: round(sum(c) / len(c), 3) for v, c in sorted(by_version.items())},
         "rollouts_by_version": {v: len(c) for v, c in sorted(by_version.items())},
         "window_success": [None if w["success"] is None else round(w["success"], 3) for w in wins],
+        "max_drop": round(max_drop(wins), 3),
+        "gate_refused": len(refused),
+        "gate_promoted": sum(d.decision == "promoted" for d in decisions),
+        "rolled_back": sum(d.decision == "rolled_back" for d in decisions),
+        "bad_phase": [args.bad_from, args.bad_until, args.bad_kind],
+        "bad_feedback": sum(a.bad and a.feedback_given for a in answers),
         "first_update_at_min": None if first_update is None else round(first_update / 60, 2),
         "traffic_minutes": args.minutes,
         "minutes": round(minutes, 2),
-        "updates": len(updates),
+        "updates": len(updates),  # candidates trained (with the gate: promoted or refused)
         "rollouts": len(answers),
         "rewards_given": sum(a.feedback_given for a in answers),
         "feedback_never": sum(a.feedback_delay is None for a in answers),
@@ -296,6 +358,7 @@ def main() -> None:
         "requests_failed": sum(a.failed for a in answers),
         "trained_on": sum(u["rollouts"] for u in updates),
         "dropped_stale": sum(u["dropped_stale"] for u in updates),  # counted by the updates they preceded
+        "gate_tasks": args.gate_tasks, "gate_margin": args.gate_margin, "gate_confidence": args.gate_confidence,
         "rate": args.rate, "feedback": args.feedback, "min_new": args.min_new, "lr": args.lr,
         "max_policy_lag": args.max_policy_lag, "seed": args.seed, "model_dir": args.model_dir,
         "plot": str(plot_path), "metrics": str(metrics_path),
@@ -303,6 +366,7 @@ def main() -> None:
     }
     print(f"\nproduction success: {summary['success_before']} before the first update -> "
           f"{summary['success_after']} in the last {2 * width:.0f}s; {len(updates)} updates, "
+          f"{summary['gate_refused']} refused by the gate; largest fall between windows {summary['max_drop']}; "
           f"{minutes:.1f} min; plot: {plot_path}")
     print(json.dumps(summary))
 
