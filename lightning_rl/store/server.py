@@ -35,7 +35,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Annotated, Any
 
-import orjson
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigurationError, LightningRLError, RolloutNotFoundError, StoreError
@@ -51,25 +50,21 @@ except ImportError as exc:  # the server is an extra; clients need only the core
     ) from None
 from ..boundaries import INT64_MAX
 from ..diagnostics import counters
-from ..records import PolicyDecision, PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, RolloutPage, RolloutQuery, Span
+from ..records import QuarantinedRecord, Reward, Rollout, RolloutPage, RolloutQuery, Span
 from ..settings import ENV_SERVER_WORKER, check_synchronous
 from . import wire
 from ..serving import STORE_SERVER, BackgroundService, run
 from .protocols import Store
 from .queries import trajectory as assemble_trajectory
+from .server_routes import BODY_DEFS as _BODY_DEFS
+from .server_routes import add_policy_routes, add_queue_routes
+from .server_routes import body_schema as _body_schema
+from .server_routes import json_response as _json
 
 DEFAULT_MAX_BODY = 64 * 2**20
 OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 _KNOWN_CACHE = 200_000
 _OP_TAGS = ("start_rollout", "span", "reward", "finish_rollout")
-
-
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-
-def _policy_json(record: PolicyRecord) -> dict[str, Any]:
-    return record.model_dump(mode="json")
 
 
 def _problem(status: int, error: str, details: list[str] | None = None,
@@ -171,19 +166,6 @@ class _TooBig(Exception):
 def _too_big_response(limit: int) -> Response:
     return _problem(413, f"request body over the server's limit of {limit} bytes; send smaller batches "
                          f"(the client sends at most {wire.CLIENT_BATCH_OPS} ops per request)")
-
-
-_BODY_DEFS: dict[str, Any] = {}
-
-
-def _body_schema(model: type) -> dict:
-    """The request body of a route that parses its raw body itself (fast path), for the OpenAPI document.
-    Nested models are hoisted into ``components/schemas`` by :func:`_openapi_with_bodies`."""
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    _BODY_DEFS.update(schema.pop("$defs", {}))
-    _BODY_DEFS[model.__name__] = schema
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def _openapi_with_bodies(app: Any) -> Any:
@@ -299,45 +281,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         ids, position = await anyio.to_thread.run_sync(lambda: store.rewarded_since(after, name=name, limit=limit))
         return _json({"rollout_ids": ids, "position": position})
 
-    @app.post(f"{p}/policies", response_model=PolicyRecord, openapi_extra=_body_schema(wire.PolicyIn))
-    async def record_policy(request: Request) -> Response:
-        """Record a publish (durable on return); every process stamps its LLM calls from these."""
-        data = await body_of(request, wire.PolicyIn)
-        record = await anyio.to_thread.run_sync(lambda: store.record_policy(
-            data.served_name, data.version, adapter=data.adapter, time=data.time, trained_on=data.trained_on))
-        return _json(_policy_json(record))
-
-    @app.post(f"{p}/decisions", response_model=PolicyDecision, openapi_extra=_body_schema(wire.DecisionIn))
-    async def record_decision(request: Request) -> Response:
-        """Record a decision about a served name's policy (the gate's, a rollback), durable on return."""
-        data = await body_of(request, wire.DecisionIn)
-        record = await anyio.to_thread.run_sync(lambda: store.record_decision(
-            data.served_name, data.version, data.decision, live_version=data.live_version, adapter=data.adapter,
-            figures=data.figures, reason=data.reason, time=data.time))
-        return _json(record.model_dump(mode="json"))
-
-    @app.get(f"{p}/decisions", response_model=list[PolicyDecision])
-    async def decisions(served_name: str | None = None, latest: bool = False) -> Response:
-        """Recorded decisions, oldest first (of ``served_name``, or all); ``latest``: the last one about each
-        served name (a canary in progress, ``continuous.py``)."""
-        def read() -> list[PolicyDecision]:
-            if latest:
-                return [d for d in store.latest_decisions().values() if served_name in (None, d.served_name)]
-            return store.decisions(served_name)
-
-        found = await anyio.to_thread.run_sync(read)
-        return _json([r.model_dump(mode="json") for r in found])
-
-    @app.get(f"{p}/policies", response_model=list[PolicyRecord])
-    async def policies(served_name: str | None = None, latest: bool = False) -> Response:
-        """Recorded publishes, oldest first; ``latest``: the last one of each served name."""
-        def read() -> list[PolicyRecord]:
-            if latest:
-                return [p for p in store.latest_policies().values() if served_name is None or p.served_name == served_name]
-            return store.policies(served_name)
-
-        found = await anyio.to_thread.run_sync(read)
-        return _json([_policy_json(r) for r in found])
+    add_policy_routes(app, store, p, body_of)
 
     @app.get(f"{p}/rollouts", response_model=list[Rollout])
     async def rollouts(mode: str | None = None, status: str | None = None, since: float | None = None,
@@ -405,38 +349,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
         found = await anyio.to_thread.run_sync(lambda: store.quarantined(limit=limit))
         return _json([q.model_dump(mode="json") for q in found])
 
-    @app.post(f"{p}/queue/enqueue", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.EnqueueIn))
-    async def enqueue(request: Request) -> Response:
-        data = await body_of(request, wire.EnqueueIn)
-        entries = await anyio.to_thread.run_sync(lambda: store.enqueue(
-            data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id, once=data.once))
-        return _json([e.model_dump(mode="json") for e in entries])
-
-    @app.post(f"{p}/queue/lease", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.LeaseIn))
-    async def lease(request: Request) -> Response:
-        data = await body_of(request, wire.LeaseIn)
-        entries = await anyio.to_thread.run_sync(lambda: store.lease(
-            data.runner, lease_seconds=data.lease_seconds, limit=data.limit, key=data.key))
-        return _json([e.model_dump(mode="json") for e in entries])
-
-    @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=_body_schema(wire.HeartbeatIn))
-    async def heartbeat(request: Request) -> Response:
-        data = await body_of(request, wire.HeartbeatIn)
-        ok = await anyio.to_thread.run_sync(lambda: store.heartbeat(
-            data.queue_id, data.runner, lease_seconds=data.lease_seconds))
-        return _json({"ok": ok})
-
-    @app.post(f"{p}/queue/complete", response_model=wire.Ok, openapi_extra=_body_schema(wire.CompleteIn))
-    async def complete(request: Request) -> Response:
-        data = await body_of(request, wire.CompleteIn)
-        ok = await anyio.to_thread.run_sync(lambda: store.complete(data.queue_id, data.runner, data.outcome))
-        return _json({"ok": ok})
-
-    @app.post(f"{p}/queue/entries", response_model=list[QueueEntry], openapi_extra=_body_schema(wire.GroupsIn))
-    async def queue_entries(request: Request) -> Response:
-        data = await body_of(request, wire.GroupsIn)
-        entries = await anyio.to_thread.run_sync(lambda: store.queue_entries(data.group_ids))
-        return _json([e.model_dump(mode="json") for e in entries])
+    add_queue_routes(app, store, p, body_of)
 
     app.openapi = _openapi_with_bodies(app)
     return _Guard(app, token, max_body_bytes), app
