@@ -340,18 +340,28 @@ def svg_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], w
             f"{axes}{''.join(lines)}<text x='{pad + 4}' y='{height + 10}' font-size='11'>{''.join(legend)}</text></svg></div>")
 
 
+def _test_figures(figures: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(candidate mean, live mean, bound) of the test a decision holds: the canary's, the gate's, or the
+    watch's (its upper bound); blanks when it holds none."""
+    for prefix, bound in (("canary_", "lower_bound"), ("gate_", "lower_bound"), ("watch_", "upper_bound")):
+        if f"{prefix}mean_candidate" in figures:
+            return (figures[f"{prefix}mean_candidate"], figures.get(f"{prefix}mean_live"),
+                    figures.get(f"{prefix}{bound}"))
+    return None, None, None
+
+
 def decisions_table(decisions: Sequence[Any]) -> str:
-    """The policy decisions in the store (the gate's, rollbacks), newest first."""
+    """The policy decisions in the store (the gate's, the canary's, rollbacks), newest first."""
     if not decisions:
         return ""
     rows = "".join(
         f"<tr><td>{e(time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(d.time)))}</td><td>{e(d.served_name)}</td>"
         f"<td class='num'>{e(d.version)}</td><td>{e(d.decision.value)}</td><td class='num'>{e(d.live_version)}</td>"
-        f"<td class='num'>{e(fmt(d.figures.get('gate_mean_candidate'), 4))} / {e(fmt(d.figures.get('gate_mean_live'), 4))}"
-        f"</td><td class='num'>{e(fmt(d.figures.get('gate_lower_bound'), 4))}</td><td>{e(d.reason or '')}</td></tr>"
-        for d in decisions)
+        f"<td class='num'>{e(fmt(cand, 4))} / {e(fmt(live, 4))}</td><td class='num'>{e(fmt(bound, 4))}</td>"
+        f"<td>{e(d.reason or '')}</td></tr>"
+        for d in decisions for cand, live, bound in [_test_figures(d.figures)])
     return ("<h2>Policy decisions</h2><table id='decisions'><tr><th>Time (UTC)</th><th>Served name</th><th>Version</th>"
-            "<th>Decision</th><th>Live</th><th>Mean reward (candidate / live)</th><th>Lower bound</th><th>Reason</th></tr>"
+            "<th>Decision</th><th>Live</th><th>Mean reward (candidate / live)</th><th>Bound</th><th>Reason</th></tr>"
             f"{rows}</table>")
 
 

@@ -252,10 +252,16 @@ def test_the_training_page_lists_policy_decisions_and_draws_the_gate(viewed, tmp
     figures = {"gate_mean_candidate": 0.25, "gate_mean_live": 0.75, "gate_lower_bound": -0.8125}
     store.record_decision("policy", 3, "refused", live_version=2, figures=figures, reason="lower bound -0.8125 < -0.1")
     store.record_decision("policy", 2, "rolled_back", live_version=3, reason="by hand")
+    store.record_decision("policy", 4, "promoted", live_version=2, reason="canary", figures={
+        "canary_mean_candidate": 0.5, "canary_mean_live": 0.375, "canary_lower_bound": -0.0625})
+    store.record_decision("policy", 2, "rolled_back", live_version=4, reason="watch", figures={
+        "watch_mean_candidate": 0.125, "watch_mean_live": 0.625, "watch_upper_bound": -0.3125})
     text = httpx.get(viewer.url + "/training").text
     table = text.split("id='decisions'", 1)[1]
     assert table.index("rolled_back") < table.index("refused")  # newest first
     assert "0.25 / 0.75" in table and "-0.8125" in table and "lower bound -0.8125 &lt; -0.1" in table
+    assert "0.5 / 0.375" in table and "-0.0625" in table  # the canary's test
+    assert "0.125 / 0.625" in table and "-0.3125" in table  # the watch's, its upper bound
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"version": v, "gate_lower_bound": b, "gate_promoted": int(b >= -0.1)}) + "\n"
                                for v, b in ((0, -0.4), (1, 0.0))))
