@@ -263,6 +263,10 @@ class ContinuousTrainer(ConfigModel):
         pending = self._pending
         if pending is None:
             return False
+        latest = self.store.latest_decisions().get(self.served_name)
+        if latest is None or latest.decision != "canary" or latest.version != pending["version"]:  # an operator's
+            what = "no" if latest is None else f"a {latest.decision.value}"  # rollback, or another trainer's decision
+            return self._end_canary(None, f"{what} decision about {self.served_name!r} was recorded during the canary")
         candidate = list(self._source.canary_rewards.values())
         live = list(self._source.canary_live.values())
         waited = time.time() - pending["started"]
@@ -270,7 +274,8 @@ class ContinuousTrainer(ConfigModel):
             if waited < self.canary_timeout:
                 return True
             return self._end_canary(None, f"only {len(candidate)} rewarded canary rollout(s) (of "
-                                          f"{self.canary_min_rollouts}) and {len(live)} live one(s) in {waited:.0f}s")
+                                          f"{self.canary_min_rollouts}) and {len(live)} live one(s) in {waited:.0f}s; "
+                                          "no evidence, no promotion")
         test = not_worse(candidate, live, margin=self.gate_margin, confidence=self.gate_confidence)
         return self._end_canary(test, None)
 
@@ -282,7 +287,7 @@ class ContinuousTrainer(ConfigModel):
         figures = {f"canary_{k}": v for k, v in test.figures().items()} if test is not None else {}
         figures.update({"canary_share": self.canary, "canary_seconds": time.time() - pending["started"]})
         if test is None:
-            reason = f"refused: {short}; no evidence, no promotion"
+            reason = f"refused: {short}"
         else:
             reason = (f"canary: production reward {test.mean_candidate:.4f} (n={test.n_candidate}) against "
                       f"{test.mean_live:.4f} (n={test.n_live}) of the live version; lower bound "
@@ -333,6 +338,8 @@ class ContinuousTrainer(ConfigModel):
                 f"lightning-rl: {self.served_name!r} was published as version {latest.version} with no adapter "
                 f"folder at {latest.adapter!r}; the trainer goes on from version {self.version} (logged once)"))
             return
+        if self._pending is not None:  # the candidate on canary was trained from the version rolled back from
+            self._end_canary(None, f"version {latest.version} was made live while the candidate was on canary")
         load_adapter(self._backend, latest.adapter)
         log.warning("lightning-rl: %r is at version %d in the store (a rollback from %d); training goes on from it",
                     self.served_name, latest.version, self.version)

@@ -15,6 +15,7 @@ from lightning_rl.tracer import tracing
 from lightning_rl.tracer.canary import canaries_from
 from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
+from lightning_rl.trainer_bridge.rollback import rollback
 
 from ..conftest import ensure_tiny_model
 from .test_gate_vllm import _production_agent, _weights
@@ -22,14 +23,14 @@ from .test_gate_vllm import _production_agent, _weights
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def _batch(store, production_agent, k):
+def _batch(store, production_agent, k, rewards=None):
     """Two rewarded production rollouts (the next candidate's batch), never ones a canary in progress takes."""
     route = canaries_from(store.latest_decisions()).get("policy")
     ids = [rid for rid in (f"batch-{k}-{j}" for j in range(64)) if route is None or not route.routes(rid)][:2]
-    for rid in ids:
+    for rid, reward in zip(ids, rewards or [float(k % 2)] * 2):
         with lrl.rollout_overrides(rollout_id=rid):
             production_agent(f"What is {k}+{k}?")
-        store.add_reward(rid, float(k % 2))
+        store.add_reward(rid, reward)
 
 
 def _answered_by(store, rollout_id):
@@ -147,13 +148,22 @@ def test_a_canary_without_enough_feedback_is_refused_and_a_stopped_trainer_ends_
         assert refused["canary_decision"] == "refused" and "canary_n_candidate" not in refused
         (decided,) = [d for d in traced.decisions("policy") if d.decision == "refused"]
         assert decided.reason.startswith("refused: only 0 rewarded canary rollout(s) (of 4) and 0 live one(s) in")
-        batch(2)
+        _batch(traced, production_agent, 2, rewards=[1.0, 0.0])  # rewards that differ: the update moves the weights
+        assert trainer.step()["candidate_version"] == 1  # on canary
+        candidate = _weights(trainer.backend)
+        rollback(traced, to=0, server_url=vllm_url, reason="by hand, mid-canary")
+        ended = trainer.step()  # an operator acted on the served name: the canary ends
+        assert ended["canary_decision"] == "refused" and trainer.version == 0
+        assert [d.decision for d in traced.decisions("policy")][-2:] == ["rolled_back", "refused"]
+        assert traced.decisions("policy")[-1].reason == (
+            "refused: a rolled_back decision about 'policy' was recorded during the canary")
+        assert not all(torch.equal(candidate[k], v) for k, v in _weights(trainer.backend).items())  # live's now
+        batch(3)
         assert trainer.step()["candidate_version"] == 1  # on canary again
     finally:
         trainer.close()  # stopped mid-canary: ended, so that no process routes to it any longer
     assert [d.decision for d in traced.decisions("policy")][-1] == "refused"
-    assert traced.decisions("policy")[-1].reason == (
-        "refused: the trainer stopped before the canary was judged; no evidence, no promotion")
+    assert traced.decisions("policy")[-1].reason == "refused: the trainer stopped before the canary was judged"
 
     traced.record_decision("policy", 1, "canary", live_version=0, figures={  # as a killed trainer leaves it
         "canary_name": "policy-candidate", "canary_share": 0.2, "canary_until": time.time() + 600})
