@@ -247,8 +247,7 @@ class ContinuousTrainer(ConfigModel):
         line = {"version": self.version, **gate, **batch.metrics, **metrics, "read_seconds": read - began,
                 "update_seconds": trained - read - gate.get("gate_seconds", 0.0), "candidate_version": version,
                 "candidate_adapter": path, "live_version": self.version}
-        self._pending = {"line": line, "batch": batch, "version": version, "adapter": path, "started": started,
-                         "clock": time.perf_counter()}
+        self._pending = {"line": line, "batch": batch, "version": version, "adapter": path, "started": started}
 
     def _save_candidate(self, version: int) -> Path:
         folder = self.out_dir / "candidates"

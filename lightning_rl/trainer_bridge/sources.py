@@ -400,8 +400,9 @@ class ProductionStream:
                 continue
             served = self.served_version(traj)
             began = self.canary is not None and traj.start_time >= self.canary[1]
-            if any(c.model == self.canary_name for c in traj.llm_calls):  # served by a candidate on canary
-                if began and served == self.canary[0]:
+            on_canary = [c.policy_version for c in traj.llm_calls if c.model == self.canary_name]
+            if on_canary:  # served by a candidate on canary (its calls carry the candidate's version)
+                if began and self.canary[0] in on_canary:
                     self.canary_rewards[rid] = traj.final_reward
                 self.state["used"][rid] = max(served, self.version)
                 rejected["canary"] += 1
