@@ -214,7 +214,7 @@ class ContinuousTrainer(ConfigModel):
         self._write(line, batch, version)
         return line
 
-    def _write(self, line: dict[str, Any], batch: StepBatch, step: int) -> None:
+    def _write(self, line: dict[str, Any], batch: StepBatch | None, step: int) -> None:
         if self._metrics is None:
             config = {"served_name": self.served_name, "min_new": self.min_new, "max_policy_lag": self.max_policy_lag,
                       "reward_name": self.reward_name, "credit": self.credit, "level": self.level, "seed": self.seed,
@@ -225,7 +225,7 @@ class ContinuousTrainer(ConfigModel):
                       **{f"local.{k}": v for k, v in self.local.scalars().items()}}
             self._metrics = MetricsLog(self.metrics_path, make_loggers(
                 self.loggers, self.out_dir, self.run_name or self.out_dir.resolve().name, config))
-        self._metrics.write(line, step, sample_rows(batch.groups))
+        self._metrics.write(line, step, sample_rows(batch.groups) if batch is not None else ())
 
     # -- the canary ---------------------------------------------------------------------------------
     def _start_canary(self, version: int, batch: StepBatch, gate: dict[str, Any], metrics: dict[str, Any],
@@ -326,9 +326,10 @@ class ContinuousTrainer(ConfigModel):
             return False
         return self._watch(batch)
 
-    def _follow_live(self) -> None:
+    def _follow_live(self, figures: dict[str, Any] | None = None) -> None:
         """Adopt the store's latest publish of ``served_name`` when it is not this trainer's version (a
-        rollback): its weights into the local model, its version as the live one."""
+        rollback): its weights into the local model, its version as the live one; a metrics line says so
+        (``rolled_back``, ``rolled_back_from``, and the watch's ``figures`` when the watch did it)."""
         latest = self.store.latest_policies().get(self.served_name)
         if latest is None or latest.version == self.version or self.version < 0:
             return
@@ -343,8 +344,11 @@ class ContinuousTrainer(ConfigModel):
         log.warning("lightning-rl: %r is at version %d in the store (a rollback from %d); training goes on from it",
                     self.served_name, latest.version, self.version)
         self._live_adapter = latest.adapter
+        old = self.version
         self._source.published(latest.version)
         tracing.set_policy_version(latest.version, model=self.served_name)  # this process's calls, as a publish does
+        self._write({"version": latest.version, "rolled_back": 1, "rolled_back_from": old, **(figures or {}),
+                     "time": time.time()}, None, old)
 
     def _watch(self, batch: StepBatch | None) -> bool:
         """The rollback watch, after every check of the store: once the version published last has
@@ -376,7 +380,7 @@ class ContinuousTrainer(ConfigModel):
         self._watching = None
         if batch is not None:
             self._source.discarded()
-        self._follow_live()
+        self._follow_live(figures)
         return False
 
     def _next_version(self) -> int:

@@ -3,6 +3,8 @@ under its own name, evaluated beside the live policy, and refused or promoted.""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import peft
 import pytest
@@ -135,6 +137,8 @@ def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_train
         assert rolled[0].adapter == str((tmp_path / "ct" / "adapters" / "v00000").resolve())
         assert trainer.step() is None  # its next step follows the store: version 0, with its weights
         assert trainer.version == 0
+        last = json.loads((tmp_path / "ct" / "metrics.jsonl").read_text().splitlines()[-1])
+        assert (last["version"], last["rolled_back"], last["rolled_back_from"]) == (0, 1, 2)
         assert all(torch.equal(first[k], v) for k, v in _weights(trainer.backend).items())
         traffic(3)  # served by version 0 again
         assert {r.policy_version for r in traced.rollouts(mode="prod", newest_first=True, limit=2)} == {0}
@@ -176,6 +180,9 @@ def test_the_rollback_watch_restores_the_previous_version_when_production_reward
         assert decided[0].figures["watch_worse"] is True and decided[0].figures["watch_upper_bound"] < -0.1
         assert all(torch.equal(first[k], v) for k, v in _weights(trainer.backend).items())
         assert trainer.step() is None and trainer.last_check["waiting"] == 0  # the dropped batch is not trained on
+        lines = [json.loads(x) for x in (tmp_path / "ct" / "metrics.jsonl").read_text().splitlines()]
+        assert [(x["version"], x.get("rolled_back")) for x in lines] == [(1, None), (0, 1)]  # in the metrics line too
+        assert lines[1]["rolled_back_from"] == 1 and lines[1]["watch_upper_bound"] < -0.1
     finally:
         trainer.close()
         tracing._policy_versions.pop("policy", None)
