@@ -68,8 +68,9 @@ def test_one_store_per_process_however_many_loops_verl_makes(tmp_path):
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     loops = [_loop("http://127.0.0.1:9/v1", tmp_path) for _ in range(200)]
     gc.collect()
-    # a store (or its writer thread, or its SQLite file) per loop would add 200; none may be added
-    assert threading.active_count() <= threads and len(os.listdir("/proc/self/fd")) <= fds
+    # a store (or its writer thread, or its SQLite file) per loop would add 200 of each; a few may come and go
+    # meanwhile from what earlier tests left running (once in CI: one file more, after 14 tests in the process)
+    assert threading.active_count() < threads + 5 and len(os.listdir("/proc/self/fd")) < fds + 5
     assert all(loop.store is first.store is tracing.sink() for loop in loops)  # spans and reads: one store
     lrl.configure(store="memory://")
     first.store.close()
