@@ -413,6 +413,12 @@ class QueueStatus(StrEnum):
     DONE = "done"
 
 
+#: Sampling parameters a trainer may impose on every request of a rollout (``rollout_overrides(sampling=)``).
+SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "seed"})
+#: What a queued try may carry for its runner (``QueueEntry.overrides``).
+QUEUE_OVERRIDE_KEYS = frozenset({"endpoint", "sampling"})
+
+
 class QueueEntry(_Record):
     """One attempt at a task in the store's task queue (a task tried n times = n entries, one group)."""
 
@@ -429,4 +435,7 @@ class QueueEntry(_Record):
     max_tries: Int64 = 3
     rollout_id: str | None = None  # the rollout of the current (or last) try
     outcome: RolloutStatus | None = None  # succeeded / failed / timed_out, when done
+    #: What the runner runs this try with (``rollout_overrides``): ``endpoint`` ``[base_url, model]`` (what
+    #: ``lrl.current_endpoint()`` answers) and ``sampling`` (imposed on every request), e.g. a verl server.
+    overrides: dict[str, Any] | None = None
     created: float = Field(default_factory=time.time)

@@ -54,6 +54,8 @@ Set by lightning-rl for a command agent (``lightning_rl.command``, the gateway),
 ``LIGHTNING_RL_ROLLOUT_ID``        the id of the rollout the process runs in
 ``LIGHTNING_RL_TASK``              its task, as JSON (also the first line of its stdin)
 ``LIGHTNING_RL_REWARDS_URL``       where it may POST rewards for its rollout
+``LIGHTNING_RL_MODEL``             the model name to call, when the rollout's caller chose the
+                                   engine (``command(upstream=None)``: a verl server)
 =================================  ==========================================================
 
 Internal: ``_LIGHTNING_RL_SERVER_ARGS`` carries ``store serve``'s settings to its worker processes.
@@ -94,6 +96,7 @@ ENV_API_KEY = "LIGHTNING_RL_API_KEY"
 ENV_ROLLOUT_ID = "LIGHTNING_RL_ROLLOUT_ID"
 ENV_TASK = "LIGHTNING_RL_TASK"
 ENV_REWARDS_URL = "LIGHTNING_RL_REWARDS_URL"
+ENV_MODEL = "LIGHTNING_RL_MODEL"
 # internal: store serve's settings for its worker processes
 ENV_SERVER_WORKER = "_LIGHTNING_RL_SERVER_ARGS"
 

@@ -21,7 +21,7 @@ from ..errors import (
     check_reward,
     shown,
 )
-from ..records import Decision, PolicyDecision, PolicyRecord, Reward, RewardSource, RolloutQuery, RolloutStatus
+from ..records import QUEUE_OVERRIDE_KEYS, SAMPLING_KEYS, Decision, PolicyDecision, PolicyRecord, Reward, RewardSource, RolloutQuery, RolloutStatus
 from ..settings import check_mode
 
 
@@ -124,6 +124,32 @@ def check_task(task: Any, *, mode: str, max_tries: Any) -> None:
     if problem:
         raise ConfigurationError(f"the task cannot be stored: {problem}")
     check_count(max_tries, "max_tries", minimum=1)
+
+
+def check_overrides(overrides: Any) -> dict[str, Any] | None:
+    """What a queued try may carry for its runner (``QueueEntry.overrides``): ``endpoint`` ``[base_url, model]``
+    and ``sampling`` (numbers under ``SAMPLING_KEYS``). Returns it as stored (the endpoint a list)."""
+    if overrides is None:
+        return None
+    if not isinstance(overrides, Mapping) or set(overrides) - QUEUE_OVERRIDE_KEYS:
+        raise ConfigurationError(f"overrides must be a dict with keys among {sorted(QUEUE_OVERRIDE_KEYS)}, got "
+                                 f"{shown(overrides)}")
+    out: dict[str, Any] = {}
+    endpoint = overrides.get("endpoint")
+    if endpoint is not None:
+        if (isinstance(endpoint, (str, bytes)) or not isinstance(endpoint, Sequence) or len(endpoint) != 2
+                or not all(isinstance(x, str) and x for x in endpoint)):
+            raise ConfigurationError(f"overrides['endpoint'] must be [base_url, model], two non-empty strings, got "
+                                     f"{shown(endpoint)}")
+        out["endpoint"] = list(endpoint)
+    sampling = overrides.get("sampling")
+    if sampling is not None:
+        if (not isinstance(sampling, Mapping) or set(sampling) - SAMPLING_KEYS or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in sampling.values())):
+            raise ConfigurationError(f"overrides['sampling'] must map keys among {sorted(SAMPLING_KEYS)} to finite "
+                                     f"numbers, got {shown(sampling)}")
+        out["sampling"] = dict(sampling)
+    return out or None
 
 
 def check_idle_seconds(idle_seconds: Any) -> None:

@@ -419,7 +419,8 @@ class HttpStore:
 
     # -- TaskQueue (the server's) -------------------------------------------------------------------
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+                group_id: str | None = None, once: bool = False,
+                overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
         """Without a ``group_id`` the client makes one and sends the request with ``once``, so that a retry
         after a lost answer does not queue the task twice."""
         try:
@@ -429,8 +430,10 @@ class HttpStore:
                                            "use dicts, lists, strings and numbers") from None
         if group_id is None:
             group_id, once = uuid.uuid4().hex, True
-        data = self._request("POST", "/queue/enqueue", json=dict(task=task, n=n, mode=mode, max_tries=max_tries,
-                                                                 group_id=group_id, once=once))
+        body = dict(task=task, n=n, mode=mode, max_tries=max_tries, group_id=group_id, once=once)
+        if overrides is not None:  # sent only when given: a store server older than overrides takes the rest
+            body["overrides"] = checks.check_overrides(overrides)
+        data = self._request("POST", "/queue/enqueue", json=body)
         return wire.QUEUE_ENTRIES.validate_python(data)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,

@@ -303,3 +303,9 @@ def _decisions(db: sqlite_utils.Database) -> None:
                     "version INTEGER NOT NULL, decision TEXT NOT NULL, live_version INTEGER, adapter TEXT, "
                     "figures TEXT NOT NULL, reason TEXT, time FLOAT NOT NULL)")
     db.conn.execute("CREATE INDEX IF NOT EXISTS decisions_name ON decisions (served_name, decision_id)")
+
+
+@migration(13, "queued tries carry what their runner runs them with (endpoint, sampling: verl's external rollouts)")
+def _queue_overrides(db: sqlite_utils.Database) -> None:
+    if "overrides" not in db["queue"].columns_dict:
+        db["queue"].add_column("overrides", str)

@@ -135,6 +135,11 @@ def _decisions(cur: Any) -> None:
     cur.execute("CREATE INDEX decisions_name ON decisions (served_name, decision_id)")
 
 
+@migration(3, "queued tries carry what their runner runs them with (endpoint, sampling: verl's external rollouts)")
+def _queue_overrides(cur: Any) -> None:
+    cur.execute(f"ALTER TABLE queue ADD COLUMN overrides {T}")
+
+
 def _tables(cur: Any, schema: str) -> list[str]:
     cur.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = %s ORDER BY table_name",
                 (schema,))

@@ -415,7 +415,8 @@ class PostgresStore:
         return txn
 
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+                group_id: str | None = None, once: bool = False,
+                overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
         """As every store's. Without a ``group_id`` one is made and the call is ``once``: a retry after a lost
         answer does not queue the task twice."""
         if self._durable is None:
@@ -423,7 +424,7 @@ class PostgresStore:
         if group_id is None:
             group_id, once = uuid.uuid4().hex, True
         return task_queue.enqueue_in(self._queue(group=group_id if once else None), task, n=n, mode=mode,
-                                     max_tries=max_tries, group_id=group_id, once=once)
+                                     max_tries=max_tries, group_id=group_id, once=once, overrides=overrides)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
               key: str | None = None) -> list[QueueEntry]:

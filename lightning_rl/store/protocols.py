@@ -108,9 +108,11 @@ class TaskQueue(Protocol):
     """Tasks tried n times (one group), leased to runners, retried when a runner dies (``task_queue.py``)."""
 
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+                group_id: str | None = None, once: bool = False,
+                overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
         """Queue ``task`` to be tried ``n`` times (one group). Returns the new entries. ``once=True`` (with
-        ``group_id``): if that group exists already, its entries are returned and nothing is added."""
+        ``group_id``): if that group exists already, its entries are returned and nothing is added.
+        ``overrides``: what the runner runs each try with (``QueueEntry.overrides``: endpoint, sampling)."""
         ...
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,

@@ -250,16 +250,17 @@ def reward_from_values(values: tuple | list) -> Reward:
 
 
 QUEUE_COLUMNS = ("queue_id", "group_id", "task", "attempt", "mode", "status", "runner", "lease_expires", "tries",
-                 "max_tries", "rollout_id", "outcome", "created", "lease_key")
+                 "max_tries", "rollout_id", "outcome", "created", "lease_key", "overrides")
 
 
 def queue_values(e: QueueEntry) -> tuple:
     return (e.queue_id, e.group_id, orjson.dumps(e.task).decode(), e.attempt, e.mode.value, e.status.value, e.runner,
             e.lease_expires, e.tries, e.max_tries, e.rollout_id, e.outcome.value if e.outcome else None, e.created,
-            e.lease_key)
+            e.lease_key, orjson.dumps(e.overrides).decode() if e.overrides is not None else None)
 
 
 def queue_from_values(values: tuple | list) -> QueueEntry:
     data = dict(zip(QUEUE_COLUMNS, values))
     data["task"] = orjson.loads(data["task"]) if data["task"] is not None else None
+    data["overrides"] = orjson.loads(data["overrides"]) if data["overrides"] is not None else None
     return QueueEntry.model_validate(data)

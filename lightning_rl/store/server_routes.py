@@ -90,15 +90,16 @@ def add_queue_routes(app: Any, store: Store, p: str, body_of: BodyOf) -> None:
     async def enqueue(request: Request) -> Response:
         data = await body_of(request, wire.EnqueueIn)
         entries = await anyio.to_thread.run_sync(lambda: store.enqueue(
-            data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id, once=data.once))
-        return json_response([e.model_dump(mode="json") for e in entries])
+            data.task, n=data.n, mode=data.mode, max_tries=data.max_tries, group_id=data.group_id, once=data.once,
+            overrides=data.overrides))
+        return json_response([wire.queue_entry_json(e) for e in entries])
 
     @app.post(f"{p}/queue/lease", response_model=list[QueueEntry], openapi_extra=body_schema(wire.LeaseIn))
     async def lease(request: Request) -> Response:
         data = await body_of(request, wire.LeaseIn)
         entries = await anyio.to_thread.run_sync(lambda: store.lease(
             data.runner, lease_seconds=data.lease_seconds, limit=data.limit, key=data.key))
-        return json_response([e.model_dump(mode="json") for e in entries])
+        return json_response([wire.queue_entry_json(e) for e in entries])
 
     @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=body_schema(wire.HeartbeatIn))
     async def heartbeat(request: Request) -> Response:
@@ -117,4 +118,4 @@ def add_queue_routes(app: Any, store: Store, p: str, body_of: BodyOf) -> None:
     async def queue_entries(request: Request) -> Response:
         data = await body_of(request, wire.GroupsIn)
         entries = await anyio.to_thread.run_sync(lambda: store.queue_entries(data.group_ids))
-        return json_response([e.model_dump(mode="json") for e in entries])
+        return json_response([wire.queue_entry_json(e) for e in entries])

@@ -378,10 +378,11 @@ class SQLiteStore:
         return result
 
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None, once: bool = False) -> list[QueueEntry]:
+                group_id: str | None = None, once: bool = False,
+                overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
         self._writable("enqueue")
         return task_queue.enqueue_in(self._queue_txn, task, n=n, mode=mode, max_tries=max_tries, group_id=group_id,
-                                     once=once)
+                                     once=once, overrides=overrides)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
               key: str | None = None) -> list[QueueEntry]:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import ConfigurationError
 from ..records import Mode, QueueEntry, QueueStatus, Rollout, RolloutStatus
-from .checks import check_task
+from .checks import check_overrides, check_task
 
 T = TypeVar("T")
 Txn = Callable[[Callable[["QueueView"], T]], T]
@@ -48,12 +48,12 @@ class QueueView(Protocol):
 
 
 def new_group(task: Any, n: int, *, mode: str | Mode = Mode.TRAIN, max_tries: int = 3,
-              group_id: str | None = None) -> list[QueueEntry]:
+              group_id: str | None = None, overrides: dict[str, Any] | None = None) -> list[QueueEntry]:
     if n < 1:
         raise ConfigurationError(f"a task must be tried at least once, got n={n}")
     group_id = group_id or uuid.uuid4().hex
     return [QueueEntry(queue_id=uuid.uuid4().hex, group_id=group_id, task=task, attempt=i, mode=Mode(mode),
-                       max_tries=max_tries) for i in range(n)]
+                       max_tries=max_tries, overrides=overrides) for i in range(n)]
 
 
 def lease(view: QueueView, runner: str, lease_seconds: float, limit: int, now: float,
@@ -133,9 +133,10 @@ def tombstone(entry: QueueEntry, reason: str) -> Rollout:
 
 # -- a store's TaskQueue methods, over its transactions ------------------------------------------------
 def enqueue_in(txn: Txn, task: Any, *, n: int, mode: str, max_tries: int, group_id: str | None,
-               once: bool) -> list[QueueEntry]:
+               once: bool, overrides: Any = None) -> list[QueueEntry]:
     check_task(task, mode=mode, max_tries=max_tries)
-    entries = new_group(task, n, mode=mode, max_tries=max_tries, group_id=group_id)
+    entries = new_group(task, n, mode=mode, max_tries=max_tries, group_id=group_id,
+                        overrides=check_overrides(overrides))
 
     def put(view: QueueView) -> list[QueueEntry]:
         if once and group_id is not None:

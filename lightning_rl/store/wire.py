@@ -153,6 +153,7 @@ class EnqueueIn(_Wire):
     max_tries: int = Field(3, ge=1, le=1000)
     group_id: str | None = Field(None, max_length=MAX_ID_CHARS)
     once: bool = False
+    overrides: dict[str, Any] | None = None  # checked by the store (checks.check_overrides)
 
 
 class LeaseIn(_Wire):
@@ -240,6 +241,12 @@ class RolloutData(_Wire):
 
 
 QUEUE_ENTRIES = TypeAdapter(list[QueueEntry])
+
+
+def queue_entry_json(entry: QueueEntry) -> dict[str, Any]:
+    """A queue entry as the server sends it: without ``overrides`` when it has none, so that runners of a
+    lightning-rl older than the field (their records forbid unknown fields) still read every other entry."""
+    return entry.model_dump(mode="json", exclude={"overrides"} if entry.overrides is None else None)
 ROLLOUTS = TypeAdapter(list[Rollout])
 SPANS = TypeAdapter(list[Span])
 REWARDS = TypeAdapter(list[Reward])

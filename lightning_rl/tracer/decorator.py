@@ -39,7 +39,7 @@ from .. import semconv
 from ..boundaries import MAX_JSON_DEPTH, check_int, json_problem, safe_text, storable
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, InvalidRewardError, check_reward
-from ..records import Mode, Reward, RewardSource, Rollout, RolloutStatus
+from ..records import SAMPLING_KEYS, Mode, Reward, RewardSource, Rollout, RolloutStatus
 from ..settings import check_mode
 from .context import RolloutState, _agent, _llm_hint, _our_span, _rollout
 from .provider import agent_span, parent_context, tracing
@@ -48,7 +48,6 @@ from .redaction import redact_rollout, redact_text
 _overrides: ContextVar[dict[str, Any] | None] = ContextVar("lightning_rl_overrides", default=None)
 _OVERRIDE_KEYS = frozenset({"rollout_id", "group_id", "attempt", "mode", "task", "timeout", "endpoint", "sampling"})
 #: Sampling fields a trainer may impose on every LLM request of a rollout (``sampling=``).
-SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "repetition_penalty", "seed"})
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Runners: lease tasks from the store's queue and execute the traced agent on them.
 
 A runner leases up to ``concurrency`` entries, runs each under ``rollout_overrides`` (the entry's
-rollout id, group, attempt, mode and task, and the per-rollout ``timeout``), heartbeats while the
+rollout id, group, attempt, mode and task, the endpoint and sampling it carries, and the per-rollout
+``timeout``), heartbeats while the
 rollout runs, and completes the entry with the rollout's outcome. An exception (a failed model
 call included) makes the outcome ``failed``, a timeout ``timed_out``: never a success. A runner
 that dies stops heartbeating; its lease expires and the task is retried by another runner.
@@ -178,6 +179,11 @@ class Runner:
         outcome: RolloutStatus | None = RolloutStatus.SUCCEEDED
         overrides = dict(rollout_id=entry.rollout_id, group_id=entry.group_id, attempt=entry.attempt,
                          mode=entry.mode.value, task=entry.task, timeout=self.rollout_timeout)
+        if entry.overrides:  # what the try is run with (a verl server's endpoint, verl's sampling)
+            if entry.overrides.get("endpoint"):
+                overrides["endpoint"] = tuple(entry.overrides["endpoint"])
+            if entry.overrides.get("sampling"):
+                overrides["sampling"] = dict(entry.overrides["sampling"])
         try:
             with rollout_overrides(**overrides):
                 if self.is_async:

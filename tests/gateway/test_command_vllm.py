@@ -127,6 +127,37 @@ if task.get("crash"):
         assert [(x.name, x.value, x.llm_call_index) for x in traj.rewards] == [("judge", 0.25, 0)]
 
 
+def test_a_command_runs_against_the_endpoint_and_sampling_its_queued_try_carries(traced, vllm_url):
+    """What verl's external rollouts queue: a try with a (verl) server's endpoint and verl's sampling; a runner
+    runs an agent in another language (``upstream=None``) against it, sampled at the trainer's temperature."""
+    from lightning_rl.trainer_bridge.runner import Runner
+
+    script = """
+import os, openai
+client = openai.OpenAI(max_retries=0)
+client.chat.completions.create(model=os.environ["LIGHTNING_RL_MODEL"], max_tokens=4, temperature=0.0,
+                               messages=[{"role": "user", "content": "Hi"}])
+print(1.0)
+"""
+    agent = lrl.command([sys.executable, "-c", script], name="py-agent")
+    endpoint = [vllm_url.rstrip("/").removesuffix("/v1") + "/v1", SERVED_NAME]
+    (entry,) = traced.enqueue({"q": 1}, overrides={"endpoint": endpoint, "sampling": {"temperature": 0.7}})
+    runner = Runner(traced, agent, rollout_timeout=120)
+    try:
+        runner.run_until_done([entry.group_id])
+    finally:
+        runner.close()
+    (done,) = traced.queue_entries([entry.group_id])
+    traj = lrl.trajectory(traced, done.rollout_id)
+    assert traj.status == RolloutStatus.SUCCEEDED and traj.final_reward == 1.0
+    (call,) = traj.llm_calls
+    assert call.token_ids_source == "engine" and call.model == SERVED_NAME and call.response_token_ids
+    (span,) = [x for x in traced.spans(done.rollout_id) if x.kind == "CLIENT"]
+    assert span.attributes[semconv.GEN_AI_REQUEST_TEMPERATURE] == 0.7  # the trainer's, not the agent's 0.0
+    with pytest.raises(lrl.ConfigurationError, match="upstream="):  # no endpoint chosen: the fix named
+        asyncio.run(agent({"q": 2}))
+
+
 def test_bad_commands_are_refused_before_any_rollout(traced):
     with pytest.raises(lrl.ConfigurationError, match="list of strings"):
         lrl.command("node agent.mjs", upstream="http://127.0.0.1:8000")

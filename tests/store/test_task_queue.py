@@ -114,3 +114,41 @@ def test_an_expired_try_stays_timed_out_whatever_its_agent_reports(store, starte
     assert expired.status == RolloutStatus.TIMED_OUT and "lease" in expired.error
     assert retry.rollout_id != first.rollout_id
     assert [r.rollout_id for r in store.rollouts(status="succeeded")] == []
+
+
+def test_a_queued_try_carries_the_endpoint_and_sampling_its_runner_runs_it_with(store):
+    """What verl's external rollouts queue: the runner's agent calls that endpoint, sampled as verl samples."""
+    from lightning_rl.trainer_bridge.runner import Runner
+
+    overrides = {"endpoint": ("http://10.0.0.7:8000/v1", "policy"), "sampling": {"temperature": 0.7, "top_k": -1}}
+    (entry,) = store.enqueue({"q": 1}, n=1, overrides=overrides)
+    assert entry.overrides == {"endpoint": ["http://10.0.0.7:8000/v1", "policy"], "sampling": {"temperature": 0.7,
+                                                                                               "top_k": -1}}
+    (plain,) = store.enqueue({"q": 2}, n=1)
+    seen = {}
+
+    def agent(task):
+        seen[task["q"]] = lrl.current_endpoint()
+
+    runner = Runner(store, agent, concurrency=2, rollout_timeout=10)
+    try:
+        runner.run_until_done([entry.group_id, plain.group_id])
+    finally:
+        runner.close()
+    assert seen == {1: ("http://10.0.0.7:8000/v1", "policy"), 2: None}
+    (done,) = store.queue_entries([entry.group_id])
+    assert done.overrides == entry.overrides and done.outcome == "succeeded"
+    for bad, named in (({"endpoint": "http://x/v1"}, "endpoint"), ({"sampling": {"temperature": "hot"}}, "sampling"),
+                       ({"model": "x"}, "keys among")):
+        with pytest.raises(lrl.ConfigurationError, match=named):
+            store.enqueue({"q": 3}, n=1, overrides=bad)
+
+
+def test_a_try_without_overrides_is_sent_as_before_to_older_runners():
+    from lightning_rl.records import QueueEntry
+    from lightning_rl.store import wire
+
+    entry = QueueEntry(queue_id="q", group_id="g")
+    assert "overrides" not in wire.queue_entry_json(entry)
+    given = entry.model_copy(update={"overrides": {"endpoint": ["http://h/v1", "m"]}})
+    assert wire.queue_entry_json(given)["overrides"] == {"endpoint": ["http://h/v1", "m"]}
