@@ -235,21 +235,35 @@ def train_replay(run_store, model_dir, out, served_name, policies, lr, temperatu
 
 
 @train.command("verl", context_settings={"ignore_unknown_options": True})
-@click.option("--agent", required=True, help="module:function of the traced agent.")
+@click.option("--agent", default=None, help="module:function of the traced agent verl's workers run (not needed with "
+              "lightning_rl.rollouts=external: runners elsewhere run it).")
 @click.option("--store", default=None, help=STORE_HELP + " Several nodes: http://HOST:PORT of a store server.")
+@click.option("--tasks", "tasks_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="JSON lines, one task a line: written as verl's training parquet (data.train_files).")
+@click.option("--val-tasks", "val_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="JSON lines of validation tasks (data.val_files); without them verl does not validate.")
+@click.option("--data-dir", default="lightning_rl_verl_data", show_default=True, type=click.Path(file_okay=False),
+              help="Where --tasks and --val-tasks are written as parquet.")
 @click.option("--print-command", is_flag=True, help="Print the verl command instead of running it.")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @errors
-def train_verl(agent, store, print_command, overrides) -> None:
+def train_verl(agent, store, tasks_path, val_path, data_dir, print_command, overrides) -> None:
     """Train with verl (Ray, GPUs): verl's own trainer over the traced agent, with the packaged Hydra config.
 
-    Any Hydra override can follow (data.train_files=..., trainer.n_gpus_per_node=8, ...).
+    Any Hydra override can follow (trainer.n_gpus_per_node=8, actor_rollout_ref.model.path=..., ...). A setting
+    that would lose rows or train the wrong thing (an async trainer mode, a LoRA the OpenAI routes would not
+    serve, a rollout engine without token ids) is refused before anything starts (docs/verl.md).
 
-    Example: lightning-rl train verl --agent my_pkg.agents:solve data.train_files=tasks.parquet trainer.n_gpus_per_node=8
+    Example: lightning-rl train verl --agent my_pkg.agents:solve --tasks tasks.jsonl --val-tasks held_out.jsonl actor_rollout_ref.model.path=Qwen/Qwen2.5-1.5B-Instruct trainer.n_gpus_per_node=8
     """
-    from ..trainer_bridge.verl_launch import run_verl, verl_command
+    from ..trainer_bridge.verl_launch import data_overrides, run_verl, verl_command
 
+    if val_path and not tasks_path:
+        raise ConfigurationError("--val-tasks needs --tasks too (or give data.train_files= and data.val_files=)")
+    tasks = read_tasks(tasks_path) if tasks_path else None
+    val_tasks = read_tasks(val_path) if val_path else None
     if print_command:
-        click.echo(" ".join(verl_command(agent, overrides, store=store)))
+        data = data_overrides(tasks, val_tasks, data_dir, overrides)
+        click.echo(" ".join(verl_command(agent, [*overrides, *data], store=store)))
         return
-    raise SystemExit(run_verl(agent, overrides, store=store))
+    raise SystemExit(run_verl(agent, overrides, store=store, tasks=tasks, val_tasks=val_tasks, data_dir=data_dir))

@@ -14,18 +14,23 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigurationError
 from ..settings import DEFAULT_STORE, ENV_STORE
 from ..store.uri import store_kind
 
-SUPPORTED = (">=0.9", "<0.10")
+SUPPORTED = (">=0.9.1", "<0.10")
+RANGE = "verl>=0.9.1,<0.10"
 CONFIG_DIR = Path(__file__).with_name("verl_config")
 CONFIG_NAME = "lightning_rl_grpo"
 
 
 def check_verl_version(version: str | None = None) -> str:
-    """The installed verl version, or an error that names the supported range and the fix."""
+    """The installed verl version, or an error that names the supported range and the fix.
+
+    verl 0.9.0 is refused: its load balancer's ``_release_server`` takes no request id and its V1 trainer
+    predates what the rows here are checked against (0.9.1's ``agent_loop_tq`` and ``trainer_base``)."""
     if version is None:
         try:
             from importlib.metadata import version as dist_version
@@ -33,17 +38,17 @@ def check_verl_version(version: str | None = None) -> str:
             version = dist_version("verl")
         except Exception:
             raise ConfigurationError(
-                "verl is not installed; pip install 'lightning-rl[verl]' (supported: verl>=0.9,<0.10)"
+                f"verl is not installed; pip install 'lightning-rl[verl]' (supported: {RANGE})"
             ) from None
     parts = version.split(".")
     try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        raise ConfigurationError(f"cannot read verl version {version!r}; supported: verl>=0.9,<0.10") from None
-    if (major, minor) != (0, 9):
+        release = tuple(int(re.match(r"\d+", x).group()) for x in parts[:3])  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        raise ConfigurationError(f"cannot read verl version {version!r}; supported: {RANGE}") from None
+    if not (0, 9, 1) <= release + (0,) * (3 - len(release)) < (0, 10):
         raise ConfigurationError(
-            f"verl {version} is installed, but lightning-rl's verl bridge supports verl>=0.9,<0.10 (tested with 0.9.1); "
-            "pip install 'verl>=0.9,<0.10'"
+            f"verl {version} is installed, but lightning-rl's verl bridge supports {RANGE} (tested with 0.9.1); "
+            "pip install 'verl>=0.9.1,<0.10'"
         )
     return version
 
@@ -72,6 +77,76 @@ def check_vllm_version(version: str | None = None) -> str | None:
     return version
 
 
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg``'s value at the dotted ``key`` (an OmegaConf config or nested mappings), or ``default``."""
+    node = cfg
+    for part in key.split("."):
+        try:
+            node = node.get(part) if hasattr(node, "get") else None
+        except Exception:  # noqa: BLE001 - a missing interpolation reads as unset here
+            return default
+        if node is None:
+            return default
+    return node
+
+
+def served_model_name(cfg: Any) -> str:
+    """The model name verl's vLLM servers answer to on their OpenAI routes: the model path, or
+    ``rollout.prometheus.served_model_name`` (its last path part) when verl's prometheus is on."""
+    rollout = "actor_rollout_ref.rollout.prometheus"
+    if _get(cfg, f"{rollout}.enable", False) and _get(cfg, f"{rollout}.served_model_name"):
+        return str(_get(cfg, f"{rollout}.served_model_name")).split("/")[-1]
+    return str(_get(cfg, "actor_rollout_ref.model.path", ""))
+
+
+def _lora_rank(cfg: Any) -> int:
+    model = "actor_rollout_ref.model"
+    return int(_get(cfg, f"{model}.lora.rank", 0) or 0) or int(_get(cfg, f"{model}.lora_rank", 0) or 0)
+
+
+def check_verl_config(cfg: Any) -> None:
+    """Refuse, with one line naming the setting and the fix, a verl configuration under which the rows would
+    be lost or would train the wrong thing. Called at launch (``verl_main``) and by the agent loop."""
+    if not _get(cfg, "trainer.use_v1", True):
+        raise ConfigurationError(
+            "trainer.use_v1=false: verl's legacy trainer takes one row per try, so the earlier segments of a "
+            "multi-turn rollout whose token prefix broke would not be trained; drop trainer.use_v1=false (V1 is "
+            "verl 0.9's default)")
+    mode = _get(cfg, "trainer.v1.trainer_mode", "sync")
+    if mode != "sync":
+        raise ConfigurationError(
+            f"trainer.v1.trainer_mode={mode}: in verl's async modes the agent's HTTP calls bypass verl's admission "
+            "gate during weight sync and are never aborted, so a row could mix weights with no version saying so; "
+            "use trainer.v1.trainer_mode=sync")
+    engine = _get(cfg, "actor_rollout_ref.rollout.name", "vllm")
+    if engine != "vllm":
+        raise ConfigurationError(
+            f"actor_rollout_ref.rollout.name={engine}: lightning-rl records the engine's token ids and log-probs "
+            "from vLLM's OpenAI routes (return_token_ids), which this engine's OpenAI routes do not return; use "
+            "actor_rollout_ref.rollout.name=vllm")
+    rollout_mode = _get(cfg, "actor_rollout_ref.rollout.mode", "async")
+    if rollout_mode != "async":
+        raise ConfigurationError(
+            f"actor_rollout_ref.rollout.mode={rollout_mode}: verl runs agent loops (and so lightning-rl's) only "
+            "with its OpenAI servers; use actor_rollout_ref.rollout.mode=async")
+    if _lora_rank(cfg) > 0 and not _get(cfg, "actor_rollout_ref.model.lora.merge", False):
+        raise ConfigurationError(
+            f"LoRA rank {_lora_rank(cfg)} with actor_rollout_ref.model.lora.merge=false: verl attaches the adapter "
+            "on its token path only, so the OpenAI routes the agent calls would sample from the base model while the "
+            "actor trains the LoRA; set actor_rollout_ref.model.lora.merge=true")
+    nodes = int(_get(cfg, "trainer.nnodes", 1) or 1)
+    store = _get(cfg, "lightning_rl.store") or os.environ.get(ENV_STORE) or DEFAULT_STORE
+    if nodes > 1 and store_kind(str(store)) not in ("http", "postgres"):
+        raise ConfigurationError(_shared_store_message(nodes, str(store)))
+
+
+def _shared_store_message(nodes: int, target: str) -> str:
+    return (f"a run on {nodes} nodes needs a store every node can write, but {target!r} is a SQLite "
+            "file: its locks and WAL do not work across machines (not even on a shared filesystem). Run "
+            "`lightning-rl store serve --db runs.db --host 0.0.0.0 --token $TOKEN` on one node and pass "
+            "--store http://THAT_NODE:8765 (and LIGHTNING_RL_STORE_TOKEN on every node), or a postgresql:// store")
+
+
 def _nodes(overrides: Sequence[str]) -> int:
     for item in overrides:
         key, _, value = item.lstrip("+").partition("=")
@@ -83,30 +158,67 @@ def _nodes(overrides: Sequence[str]) -> int:
     return 1
 
 
-def verl_command(agent: str, overrides: Sequence[str] = (), *, store: str | None = None) -> list[str]:
-    if ":" not in agent:
+def _quoted(value: str) -> str:
+    """A Hydra override value, quoted where Hydra would read it otherwise (a comma makes a sweep)."""
+    return value if not re.search(r"[,\[\]{}()'\"\\= ]", value) else "'" + re.sub(r"(['\\])", r"\\\1", value) + "'"
+
+
+def verl_command(agent: str | None, overrides: Sequence[str] = (), *, store: str | None = None) -> list[str]:
+    """The command ``lightning-rl train verl`` runs: ``verl_main`` (verl's ``main_ppo``, checked and wired) with
+    the packaged config, the agent, the store and the Hydra ``overrides``. ``agent`` may be None only with
+    ``lightning_rl.rollouts=external`` (runners elsewhere run it)."""
+    external = any(o.lstrip("+").replace(" ", "") == "lightning_rl.rollouts=external" for o in overrides)
+    if agent is None and not external:
+        raise ConfigurationError("--agent module:function is needed (the traced agent verl's workers run), unless "
+                                 "runners elsewhere run it: lightning_rl.rollouts=external")
+    if agent is not None and ":" not in agent:
         raise ConfigurationError(f"--agent must be module:function of a traced agent, got {agent!r}")
     target = store or os.environ.get(ENV_STORE) or DEFAULT_STORE
     if _nodes(overrides) > 1 and store_kind(target) not in ("http", "postgres"):
-        raise ConfigurationError(
-            f"a run on {_nodes(overrides)} nodes needs a store every node can write, but {target!r} is a SQLite "
-            "file: its locks and WAL do not work across machines (not even on a shared filesystem). Run "
-            "`lightning-rl store serve --db runs.db --host 0.0.0.0 --token $TOKEN` on one node and pass "
-            "--store http://THAT_NODE:8765 (and LIGHTNING_RL_STORE_TOKEN on every node), or a postgresql:// store")
-    args = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR),
-            "--config-name", CONFIG_NAME, f"lightning_rl.agent={agent}",
+        raise ConfigurationError(_shared_store_message(_nodes(overrides), target))
+    args = [sys.executable, "-m", "lightning_rl.trainer_bridge.verl_main", "--config-path", str(CONFIG_DIR),
+            "--config-name", CONFIG_NAME,
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loops.yaml'}"]
-    if store:  # quoted where Hydra would read it otherwise: a comma (several servers) makes a sweep
-        quoted = store if not re.search(r"[,\[\]{}()'\"\\= ]", store) else "'" + re.sub(r"(['\\])", r"\\\1", store) + "'"
-        args.append(f"lightning_rl.store={quoted}")
+    if agent is not None:
+        args.append(f"lightning_rl.agent={agent}")
+    if store:
+        args.append(f"lightning_rl.store={_quoted(store)}")
     return args + list(overrides)
 
 
-def run_verl(agent: str, overrides: Sequence[str] = (), *, store: str | None = None) -> int:
-    """Run verl's trainer over the traced agent ``agent`` (``module:function``) with the packaged config and
-    the Hydra ``overrides`` (``verl_command``), after checking the installed verl and vLLM versions;
-    returns its exit status."""
-    command = verl_command(agent, overrides, store=store)
+def data_overrides(tasks: Sequence[Any] | None, val_tasks: Sequence[Any] | None, data_dir: str | Path,
+                   overrides: Sequence[str] = ()) -> list[str]:
+    """Write ``tasks`` (and ``val_tasks``) as verl's parquet under ``data_dir`` (``verl_data``) and return the
+    overrides that point verl at them. Without validation tasks verl still needs a validation file (the
+    training one) and does not validate, unless ``overrides`` say otherwise."""
+    if tasks is None:
+        return []
+    from .verl_data import write_verl_dataset
+
+    given = {o.lstrip("+").partition("=")[0] for o in overrides}
+    clash = sorted({"data.train_files", "data.val_files"} & given)
+    if clash:
+        raise ConfigurationError(f"--tasks writes verl's dataset files itself, and {', '.join(clash)} names others; "
+                                 "give either --tasks (and --val-tasks) or the parquet files, not both")
+    train = write_verl_dataset(tasks, Path(data_dir) / "train.parquet", split="train")
+    out = [f"data.train_files={_quoted(str(train))}"]
+    if val_tasks:
+        val = write_verl_dataset(val_tasks, Path(data_dir) / "val.parquet", split="val")
+        out.append(f"data.val_files={_quoted(str(val))}")
+    else:
+        out.append(f"data.val_files={_quoted(str(train))}")
+        out += [o for o in ("trainer.val_before_train=false", "trainer.test_freq=-1") if o.partition("=")[0] not in given]
+    return out
+
+
+def run_verl(agent: str | None, overrides: Sequence[str] = (), *, store: str | None = None,
+             tasks: Sequence[Any] | None = None, val_tasks: Sequence[Any] | None = None,
+             data_dir: str | Path = "lightning_rl_verl_data") -> int:
+    """Run verl's trainer (``verl_main``) over the traced agent ``agent`` (``module:function``) with the packaged
+    config and the Hydra ``overrides``, after checking the installed verl and vLLM versions; ``tasks``
+    (``val_tasks``) are written as verl's dataset first (``data_overrides``). Returns verl's exit status."""
+    verl_command(agent, overrides, store=store)  # the arguments first: a mistake in them is named before the rest
     check_verl_version()
     check_vllm_version()
+    command = verl_command(agent, [*overrides, *data_overrides(tasks, val_tasks, data_dir, overrides)], store=store)
     return subprocess.call(command, env=os.environ.copy())

@@ -1,12 +1,12 @@
-"""The verl agent loop's rows go through verl 0.9.1's own post-processing and batching (CPU, no
-server): a batch mixing a good try, a placeholder, a try without engine log-probs, an over-long
-prompt and failures concatenates, and only the good rows carry gradient."""
+"""The verl agent loop's rows (CPU, no server): a good try, a placeholder, a try without engine log-probs, an
+over-long prompt and failures each give rows of the right shape, and only the good ones carry gradient
+(``test_verl_v1_rows.py`` puts such a batch through verl's V1 trainer code). verl's legacy trainer, which takes
+one row per try, is refused; the load balancer's server is always given back (verl 0.9.1 and 0.9.0)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,7 +24,7 @@ loop_module = pytest.importorskip("lightning_rl.trainer_bridge.verl_agent_loop")
 PROMPT_LENGTH, RESPONSE_LENGTH = 8, 6
 
 
-def _loop(db):
+def _loop(db, *, v1=True):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
@@ -32,6 +32,7 @@ def _loop(db):
 
     model = str(ensure_tiny_model())
     config = OmegaConf.create({
+        "trainer": {"use_v1": v1},
         "actor_rollout_ref": {"rollout": {"prompt_length": PROMPT_LENGTH, "response_length": RESPONSE_LENGTH},
                               "model": {"path": model}},
         "lightning_rl": {"agent": "tests.trainer_bridge.verl_agents:two_turn_solver", "store": f"sqlite:///{db}",
@@ -62,64 +63,60 @@ def _store_tries(store):
     store.flush()
 
 
-def _verl_worker(tokenizer):
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
-    worker = AgentLoopWorker.__new__(AgentLoopWorker)  # verl's own methods, without Ray
-    worker.rollout_config = SimpleNamespace(prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH)
-    worker.tokenizer, worker.processor, worker.hf_model_type = tokenizer, None, "qwen2"
-    worker.reward_loop_worker_handles, worker.distillation_enabled, worker.mm_processor_kwargs = None, False, {}
-    return worker
-
-
-def test_a_mixed_batch_goes_through_verls_postprocess(tmp_path):
+def test_every_kind_of_try_gives_rows_of_the_right_shape(tmp_path):
     db = tmp_path / "verl.db"
     loop = _loop(db)
     _store_tries(loop.store)
     names = ["good", "placeholder", "no_logprobs", "long", "model_failure", "infra_failure"]
-    rows = [loop.output(lrl.trajectory(loop.store, rid)) for rid in names]
+    outputs = {rid: loop.output(lrl.trajectory(loop.store, rid)) for rid in names}
+    assert {rid: len(rows) for rid, rows in outputs.items()} == dict.fromkeys(names, 1)
+    rows = [outputs[rid][0] for rid in names]
     masked = {rid: row.extra_fields["masked"] for rid, row in zip(names, rows)}
     assert masked == {"good": "", "placeholder": "no_sample", "no_logprobs": "no_engine_logprobs",
                       "long": "prompt_too_long", "model_failure": "", "infra_failure": "infra_failure"}
     assert [r.reward_score for r in rows] == [1.0, -0.5, 1.0, 1.0, -0.5, 0.0]
     assert [r.extra_fields["failure"] for r in rows] == ["", "model", "", "", "model", "infra"]
     assert rows[3].prompt_ids == list(range(13, 21))  # left-truncated to prompt_length
-    assert all(r.extra_fields["policy_version"] is None for r in rows)  # no publish recorded: verl's own sync
+    assert all(r.extra_fields["policy_version"] is None for r in rows)  # no publish of "tiny" recorded
+    assert [sum(r.response_mask) for r in rows] == [2, 0, 0, 0, 2, 0]  # gradient only where it is right
+    assert all(len(r.response_logprobs) == len(r.response_ids) <= RESPONSE_LENGTH for r in rows)
+    assert all(len(r.prompt_ids) <= PROMPT_LENGTH for r in rows)
 
-    worker = _verl_worker(loop.tokenizer)
 
-    async def post():
-        return [await worker._agent_loop_postprocess(r, False, raw_prompt=[]) for r in rows]
-
-    batch = worker._postprocess(asyncio.run(post()), input_non_tensor_batch={}, validate=False)
-    t = batch.batch
-    assert t["prompts"].shape == (6, PROMPT_LENGTH) and t["responses"].shape == (6, RESPONSE_LENGTH)
-    assert t["rollout_log_probs"].shape == (6, RESPONSE_LENGTH)
-    assert t["response_mask"].sum(dim=1).tolist() == [2, 0, 0, 0, 2, 0]  # gradient only where it is right
-    assert t["rollout_log_probs"][0, :2].tolist() == pytest.approx([-0.1, -0.2])
+def test_verls_legacy_trainer_is_refused_when_the_loop_is_made(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"trainer\.use_v1=false.*segments"):
+        _loop(tmp_path / "verl.db", v1=False)
 
 
 class _Balancer:
-    """The two methods of verl 0.9.1's LLMServerClient that the loop uses, counting what is held."""
+    """The two methods of verl's LLMServerClient that the loop uses, counting what is held: 0.9.1's release
+    takes the request id, 0.9.0's does not."""
 
     def __init__(self):
         self.held = 0
 
     async def _acquire_server(self, request_id):
         self.held += 1
-        return "10.0.0.1:8000", object()
+        return "10.0.0.1:8000", "handle"
 
     def _release_server(self, server_id, request_id=None):
+        assert server_id == "10.0.0.1:8000" and request_id == "r1"
+        self.held -= 1
+
+
+class _Balancer090(_Balancer):
+    def _release_server(self, server_id):  # verl 0.9.0's signature
         assert server_id == "10.0.0.1:8000"
         self.held -= 1
 
 
-def test_the_server_is_given_back_whatever_the_agent_does():
-    balancer = _Balancer()
+@pytest.mark.parametrize("balancer_class", [_Balancer, _Balancer090])
+def test_the_server_is_given_back_whatever_the_agent_does(balancer_class):
+    balancer = balancer_class()
 
     async def use(fail):
-        async with loop_module.verl_server(balancer, "r1") as address:
-            assert address == "10.0.0.1:8000" and balancer.held == 1
+        async with loop_module.verl_server(balancer, "r1") as (address, handle):
+            assert (address, handle) == ("10.0.0.1:8000", "handle") and balancer.held == 1
             if fail:
                 raise RuntimeError("agent crashed")
 

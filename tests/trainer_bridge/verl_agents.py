@@ -22,3 +22,19 @@ async def two_turn_solver(task):
     final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
                                                  extra_body=digits)
     return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
+
+
+@lrl.trace(agent="solver")
+async def resetting_solver(task):
+    """Two calls whose token prefix breaks: the second re-renders the conversation with a system message in
+    front (as an agent that compacts or re-templates its context does), so each call is a segment of its own."""
+    base_url, model = lrl.current_endpoint()
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
+    digits = {"structured_outputs": {"regex": "[0-9]{1,6}"}}
+    messages = [{"role": "user", "content": task["question"]}]
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
+    messages = [{"role": "system", "content": "Be brief."}, *messages,
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "tool says 42"}]
+    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
+    return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
