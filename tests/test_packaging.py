@@ -33,7 +33,7 @@ PROVIDES = {
     "opentelemetry-proto": {"opentelemetry", "google"},
     "torch": {"torch"}, "transformers": {"transformers"}, "safetensors": {"safetensors"}, "numpy": {"numpy"},
     "tqdm": {"tqdm"}, "peft": {"peft"}, "matplotlib": {"matplotlib"},
-    "verl": {"verl", "ray"}, "cachetools": {"cachetools"}, "jsonschema": {"jsonschema"}, "pyarrow": {"pyarrow"},
+    "verl": {"verl", "ray", "hydra", "omegaconf", "pandas", "tensordict"}, "transferqueue": {"transfer_queue"}, "cachetools": {"cachetools"}, "jsonschema": {"jsonschema"}, "pyarrow": {"pyarrow"},
     "tensorboard": {"tensorboard"}, "mlflow-skinny": {"mlflow"}, "wandb": {"wandb"},
     "langchain": {"langchain"}, "langchain-openai": {"langchain_openai"}, "langgraph": {"langgraph"},
     "autogen-agentchat": {"autogen_agentchat", "autogen_core"}, "autogen-ext": {"autogen_ext"}, "vllm": {"vllm"},

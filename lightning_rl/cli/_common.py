@@ -50,3 +50,12 @@ def policy_map(policies: tuple[str, ...]) -> dict[str, str]:
             raise ConfigurationError(f"--policy {item!r} is not AGENT=SERVED (e.g. --policy planner=planner-lora)")
         team[name] = served
     return team
+
+
+def gate_test_options(fn):
+    """The gate's test (``noninferiority.not_worse``), where a command judges a candidate: tries, margin, confidence."""
+    fn = click.option("--gate-confidence", type=float, default=0.9, show_default=True,
+                      help="Confidence of the one-sided lower bound on the reward difference.")(fn)
+    fn = click.option("--gate-margin", type=float, default=0.1, show_default=True,
+                      help="Mean reward a candidate may lose and still go live.")(fn)
+    return click.option("--gate-n", type=int, default=1, show_default=True, help="Tries per gate task and policy.")(fn)

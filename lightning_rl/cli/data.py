@@ -148,18 +148,34 @@ def judge(store: str | None, base_url: str, model: str, rubric: str | None, mode
 
 
 @click.command("export-model")
-@click.option("--adapter", required=True, type=click.Path(file_okay=False), help="A LoRA adapter folder the trainer published.")
-@click.option("--merge", is_flag=True, help="Fold the adapter into the base model's weights (required).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="A new folder for the merged model.")
+@click.option("--adapter", default=None, type=click.Path(file_okay=False), help="A LoRA adapter folder the trainer published.")
+@click.option("--verl-checkpoint", default=None, type=click.Path(file_okay=False),
+              help="A verl checkpoint (trainer.default_local_dir/global_step_N): OUT gets merged/ and, for a LoRA run, "
+                   "adapter/.")
+@click.option("--merge", is_flag=True, help="Fold the adapter into the base model's weights (required with --adapter).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="A new folder for what is written.")
 @click.option("--base-model", default=None, type=click.Path(file_okay=False),
-              help="The base model folder (default: the one the adapter names).")
+              help="The base model folder (default: the one the adapter, or the verl run's record, names).")
 @click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
 @errors
-def export_model(adapter: str, merge: bool, out: str, base_model: str | None, dtype: str) -> None:
-    """Write a merged Hugging Face model (base + adapter) that vLLM serves as it is.
+def export_model(adapter: str | None, verl_checkpoint: str | None, merge: bool, out: str, base_model: str | None,
+                 dtype: str) -> None:
+    """Write a merged Hugging Face model (base + adapter) that vLLM serves as it is; from a verl checkpoint, also
+    its LoRA adapter, which `policies promote` takes through the gate to a served vLLM.
 
     Example: lightning-rl export-model --adapter .cache/demo-rl/adapters/v00020 --merge --out merged/
+
+    Example: lightning-rl export-model --verl-checkpoint checkpoints/run/global_step_20 --out exported/
     """
+    if (adapter is None) == (verl_checkpoint is None):
+        raise ConfigurationError("give one of --adapter DIR (a published LoRA) or --verl-checkpoint DIR (a verl run's "
+                                 "global_step_N)")
+    if verl_checkpoint is not None:
+        from ..trainer_bridge.verl_export import export_verl_checkpoint
+
+        written = export_verl_checkpoint(verl_checkpoint, out, base_model=base_model, dtype=dtype)
+        click.echo(json.dumps({k: str(v) if v is not None else None for k, v in written.items()}))
+        return
     from ..trainer_bridge.export_model import merge_adapter
 
     if not merge:
@@ -167,7 +183,6 @@ def export_model(adapter: str, merge: bool, out: str, base_model: str | None, dt
                                  "itself with --enable-lora --lora-modules NAME=DIR)")
     path = merge_adapter(adapter, out, base_model=base_model, dtype=dtype)
     click.echo(f"merged model written to {path} (serve it: vllm serve {path})", err=True)
-
 
 
 @click.command("plot")

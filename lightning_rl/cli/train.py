@@ -14,12 +14,15 @@ from typing import Any
 import click
 
 from ..errors import ConfigurationError
-from ._common import STORE_HELP, errors, open_store, policy_map
+from ._common import STORE_HELP, errors, gate_test_options, open_store, policy_map
 
 LOGGER_HELP = ("Also log to an experiment tracker: tensorboard, mlflow or wandb (offline unless WANDB_MODE/"
                "WANDB_API_KEY say otherwise); repeat for several. metrics.jsonl is always written.")
 POLICY_HELP = "A team: an agent's policy, as in Trainer(policies=...); repeat for each agent."
 TEMPERATURE_HELP = "The agents' sampling temperature: the trainer computes log-probs at it."
+DTYPE_HELP = ("The local trainer's weights and compute: float32, or bfloat16 on a GPU (its log-probs then differ from the "
+              "engine's: docs/verl.md measures the gap).")
+DTYPES = click.Choice(["float32", "bfloat16", "float16"])
 
 
 @click.group("train")
@@ -61,6 +64,7 @@ def read_tasks(path: str) -> list[Any]:
 @click.option("--steps", type=int, default=20, show_default=True, help="Updates.")
 @click.option("--lr", type=float, default=2e-4, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help=TEMPERATURE_HELP)
+@click.option("--dtype", type=DTYPES, default="float32", show_default=True, help=DTYPE_HELP)
 @click.option("--credit", default="final", show_default=True, help="Credit assignment of per-call rewards.")
 @click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True)
 @click.option("--concurrency", type=int, default=16, show_default=True, help="Tries run at once.")
@@ -73,7 +77,7 @@ def read_tasks(path: str) -> list[Any]:
 @click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
 @errors
 def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served_name, policies, out, n,
-              tasks_per_step, steps, lr, temperature, credit, level, concurrency, overlap, max_staleness,
+              tasks_per_step, steps, lr, temperature, dtype, credit, level, concurrency, overlap, max_staleness,
               init_adapter, seed, loggers) -> None:
     """Train over a task set: each step runs every task n times and updates the LoRA (Trainer.fit).
 
@@ -95,7 +99,7 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
                           server_url=server_url, served_name=served_name, policies=team, out_dir=out, n=n,
                           tasks_per_step=tasks_per_step, steps=steps, credit=credit, level=level,
                           concurrency=concurrency, overlap=overlap, max_staleness=max_staleness,
-                          init_adapter=init_adapter, seed=seed, local=LocalConfig(lr=lr, temperature=temperature),
+                          init_adapter=init_adapter, seed=seed, local=LocalConfig(lr=lr, temperature=temperature, dtype=dtype),
                           loggers=list(loggers))
     except BaseException:
         opened.close()
@@ -122,6 +126,7 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
 @click.option("--lr", type=float, default=2e-4, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True,
               help=TEMPERATURE_HELP + " Calls sampled otherwise are not trained on.")
+@click.option("--dtype", type=DTYPES, default="float32", show_default=True, help=DTYPE_HELP)
 @click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between checks.")
 @click.option("--max-updates", type=int, default=None, help="Stop after N updates (default: run forever).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -130,11 +135,7 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
               help="Held-out tasks (JSON lines): each update goes live only if not worse on them than the live policy.")
 @click.option("--gate-agent", default=None, help="module:function of the traced agent that runs the gate tasks "
               "(it calls the model lrl.current_endpoint() names).")
-@click.option("--gate-n", type=int, default=1, show_default=True, help="Tries per gate task and policy.")
-@click.option("--gate-margin", type=float, default=0.1, show_default=True,
-              help="Mean reward a candidate may lose and still go live.")
-@click.option("--gate-confidence", type=float, default=0.9, show_default=True,
-              help="Confidence of the one-sided lower bound on the reward difference.")
+@gate_test_options
 @click.option("--rollback-watch", is_flag=True, help="After each publish, restore the previous version when production "
               "reward drops beyond --gate-margin at --gate-confidence (the gate's test, from above).")
 @click.option("--watch-min-rollouts", type=int, default=16, show_default=True,
@@ -148,7 +149,7 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
               help="Seconds a canary may wait for its feedback; a candidate short of it then is refused.")
 @errors
 def train_continuous(store, model_dir, server_url, served_name, out, min_new, max_policy_lag, reward_name, lr,
-                     temperature, interval, max_updates, seed, loggers, gate_path, gate_agent, gate_n, gate_margin,
+                     temperature, dtype, interval, max_updates, seed, loggers, gate_path, gate_agent, gate_n, gate_margin,
                      gate_confidence, rollback_watch, watch_min_rollouts, canary, canary_min_rollouts,
                      canary_timeout) -> None:
     """Keep training the served LoRA from production rollouts (mode prod) as their rewards arrive.
@@ -175,7 +176,7 @@ def train_continuous(store, model_dir, server_url, served_name, out, min_new, ma
         trainer = ContinuousTrainer(
             store=opened, model_dir=model_dir, server_url=server_url, served_name=served_name, out_dir=out,
             min_new=min_new, max_policy_lag=max_policy_lag, reward_name=reward_name,
-            local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature), seed=seed,
+            local=LocalConfig(adv_estimator="batch_baseline", lr=lr, temperature=temperature, dtype=dtype), seed=seed,
             loggers=list(loggers), gate_tasks=gate_tasks, gate_agent=solve, gate_n=gate_n, gate_margin=gate_margin,
             gate_confidence=gate_confidence, rollback_watch=rollback_watch, watch_min_rollouts=watch_min_rollouts,
             canary=canary, canary_min_rollouts=canary_min_rollouts, canary_timeout=canary_timeout)
@@ -203,6 +204,7 @@ def train_continuous(store, model_dir, server_url, served_name, out, min_new, ma
 @click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED", help=POLICY_HELP)
 @click.option("--lr", type=float, default=2e-4, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help=TEMPERATURE_HELP)
+@click.option("--dtype", type=DTYPES, default="float32", show_default=True, help=DTYPE_HELP)
 @click.option("--seed", type=int, default=0, show_default=True, help="The run's seed.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Stop after N updates (default: every batch).")
 @click.option("--tasks-per-step", type=int, default=None,
@@ -213,7 +215,7 @@ def train_continuous(store, model_dir, server_url, served_name, out, min_new, ma
 @click.option("--level", type=click.Choice(["call", "trajectory"]), default="call", show_default=True)
 @click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
 @errors
-def train_replay(run_store, model_dir, out, served_name, policies, lr, temperature, seed, steps, tasks_per_step,
+def train_replay(run_store, model_dir, out, served_name, policies, lr, temperature, dtype, seed, steps, tasks_per_step,
                  max_staleness, credit, level, loggers) -> None:
     """Train a fresh LoRA on the batches of a run recorded in STORE, running no agent.
 
@@ -225,7 +227,7 @@ def train_replay(run_store, model_dir, out, served_name, policies, lr, temperatu
     from ..trainer_bridge.replay import replay
 
     result = replay(run_store, model_dir=model_dir, out_dir=out, served_name=served_name,
-                    policies=policy_map(policies) or None, local=LocalConfig(lr=lr, temperature=temperature),
+                    policies=policy_map(policies) or None, local=LocalConfig(lr=lr, temperature=temperature, dtype=dtype),
                     seed=seed, steps=steps, tasks_per_step=tasks_per_step, max_staleness=max_staleness,
                     credit=credit, level=level, loggers=list(loggers))
     for line in result.history:

@@ -11,6 +11,8 @@ It is verl's own ``PPOTrainerSync`` (colocated, no partial rollouts), plus:
   was trained on (``trained_on``: verl's uids, which are the rollouts' group ids). So every process stamps
   its calls with verl's versions, and replay, the gate and rollback read them as under the local trainer.
   A publish that cannot be recorded (the store away) is counted and logged once; training goes on.
+* **A run record** (``lightning_rl_run.json`` in ``trainer.default_local_dir``): the base model and served name,
+  which ``export-model --verl-checkpoint`` reads.
 * **Row metrics.** Each step's metrics line gets ``lightning_rl/*``: rows, segments per try, prefix splits,
   rows without gradient by reason, where the versions came from (``verl_rows``).
 """
@@ -31,6 +33,21 @@ def checkpoint_folder(config: Any, global_steps: int) -> str | None:
     """The actor checkpoint verl saved at ``global_steps``, if it did."""
     folder = os.path.join(str(config.trainer.default_local_dir), f"global_step_{global_steps}", "actor")
     return folder if os.path.isdir(folder) else None
+
+
+def write_run_record(config: Any) -> None:
+    """``lightning_rl_run.json`` beside the run's checkpoints: the base model and the served name, which
+    ``export-model --verl-checkpoint`` reads (a LoRA's base model). Not the store's URL: it may hold a password."""
+    import json
+
+    folder = str(config.trainer.default_local_dir)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "lightning_rl_run.json"), "w") as f:
+            json.dump({"model_path": str(config.actor_rollout_ref.model.path), "served_name": served_model_name(config)},
+                      f, indent=1)
+    except OSError as exc:  # an export can still be given --base-model
+        report_failure("writing the verl run record", exc)
 
 
 def row_metrics(extra_fields: list[dict[str, Any]]) -> dict[str, float]:
@@ -59,6 +76,7 @@ class LightningRLSyncTrainer(PPOTrainerSync):
 
     def on_init_end(self) -> None:
         super().on_init_end()
+        write_run_record(self.config)
         self._publish()
 
     def on_step_end(self) -> None:

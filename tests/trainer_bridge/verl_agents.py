@@ -38,3 +38,20 @@ async def resetting_solver(task):
                 {"role": "user", "content": "tool says 42"}]
     final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
     return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
+
+
+@lrl.trace(agent="solver")
+async def free_resetting_solver(task):
+    """``resetting_solver`` without guided decoding (the engine's log-probs are then the actor's distribution:
+    a grammar-masked sample's are not), rewarded by what it wrote (digits in its answers), so the tries of a
+    group differ and the update has a gradient. Two segments per try, whatever the model writes."""
+    base_url, model = lrl.current_endpoint()
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
+    messages = [{"role": "user", "content": task["question"]}]
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    messages = [{"role": "system", "content": "Be brief."}, *messages,
+                {"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": "Answer with a number."}]
+    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    text = (first.choices[0].message.content or "") + (final.choices[0].message.content or "")
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
