@@ -33,6 +33,15 @@ AGENT = "tests.trainer_bridge.verl_agents:free_resetting_solver"
 TASKS = [{"question": f"What is {a}+{b}?"} for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
 
 
+def _command(work: Path, model: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lightning_rl.cli", "train", "verl", "--agent", AGENT,
+            "--tasks", str(work / "tasks.jsonl"), "--store", f"sqlite:///{work / 'runs.db'}",
+            "--data-dir", str(work / "data"), *cpu_overrides(model),
+            "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            *extra]
+
+
 def _metrics(log: str) -> dict[int, dict[str, str]]:
     """verl's console logger lines (``step:N - key:value - ...``), by step."""
     steps: dict[int, dict[str, str]] = {}
@@ -52,14 +61,9 @@ def verl_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("verl-run")
     (work / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     model = ensure_tiny_model()
-    command = [sys.executable, "-m", "lightning_rl.cli", "train", "verl", "--agent", AGENT,
-               "--tasks", str(work / "tasks.jsonl"), "--store", f"sqlite:///{work / 'runs.db'}",
-               "--data-dir", str(work / "data"), *cpu_overrides(model),
-               "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
-               "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-               "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-               "actor_rollout_ref.actor.optim.lr=1e-3",
-               "trainer.total_training_steps=2", "trainer.save_freq=2", f"trainer.default_local_dir={work / 'ckpt'}"]
+    command = _command(work, model, "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                       "actor_rollout_ref.actor.optim.lr=1e-3", "trainer.total_training_steps=2", "trainer.save_freq=2",
+                       f"trainer.default_local_dir={work / 'ckpt'}")
     done = subprocess.run(command, cwd=work, env=cpu_env(ROOT), capture_output=True, text=True, timeout=900)
     (work / "verl.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, f"verl's run failed (log: {work / 'verl.log'}):\n{(done.stdout + done.stderr)[-4000:]}"
@@ -151,3 +155,45 @@ def test_the_verl_checkpoint_goes_to_a_served_vllm_through_the_gate_and_back(ver
         assert done.exit_code == 0, done.output
         assert _served(server.url)["policy"] == str(live)
     lrl.configure(store="memory://")
+
+
+def test_what_a_killed_verl_run_recorded_stays_readable(tmp_path):
+    """kill -9 of the whole run (the launcher, verl's driver, Ray and its actors) once step 1's weight sync is
+    recorded: step 1's rollouts are all there, finished, with their calls and token ids, and the store opens."""
+    import signal
+    import time
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    ray_dir = Path(f"/tmp/lrl-e2e-{os.getpid()}")  # short: Ray's socket paths have a length limit
+    command = _command(tmp_path, ensure_tiny_model(), "trainer.total_training_steps=3",
+                       f"+ray_kwargs.ray_init._temp_dir={ray_dir}")
+    log = open(tmp_path / "verl.log", "w")
+    proc = subprocess.Popen(command, cwd=tmp_path, env=cpu_env(ROOT), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    db = tmp_path / "runs.db"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if db.exists():
+                with lrl.open_store(f"sqlite:///{db}", read_only=True) as store:
+                    if any(p.version == 1 for p in store.policies()):
+                        break
+            time.sleep(1)
+        assert proc.poll() is None, f"the run ended before step 1 was recorded: {(tmp_path / 'verl.log').read_text()[-3000:]}"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for entry in Path("/proc").iterdir():  # Ray's daemons and actors of this run only
+            try:
+                if entry.name.isdigit() and str(ray_dir).encode() in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
+        log.close()
+    store = lrl.open_store(f"sqlite:///{db}")
+    (step1,) = [p for p in store.policies() if p.version == 1]
+    first = [t for t in lrl.trajectories(store) if t.group_id in set(step1.trained_on)]
+    assert len(first) == 4 and all(t.status == "succeeded" and len(t.llm_calls) == 2 for t in first)
+    assert all(c.token_ids_source == "engine" and c.response_token_ids and c.policy_version == 0
+               for t in first for c in t.llm_calls)
+    store.close()
