@@ -110,7 +110,7 @@ test-fast: venv postgres
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):
 # no test may depend on what one sampled model says. SEED=7 make test-other-seed
 SEED ?= 1
-test-other-seed: all venv-verl venv-frameworks
+test-other-seed: all venv-verl venv-frameworks venv-verl-e2e
 	MODEL_ARGS="$(MODEL_ARGS)" scripts/vllm_tests_other_seed.sh $(SEED)
 
 # The soak test for as long as docs/reliability.md quotes it (make test runs it for 120 s).
