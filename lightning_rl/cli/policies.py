@@ -57,7 +57,7 @@ def promote(adapter, store, server_url, served_name, gate_path, gate_agent, gate
             gate_confidence) -> None:
     """Judge a candidate adapter beside the live policy on held-out tasks; publish it only if not worse.
 
-    Prints the decision and the gate's figures as JSON; exits 0 when promoted, 2 when the gate refused it.
+    Prints the decision and the gate's figures as JSON; exits 0 when promoted, 3 when the gate refused it.
 
     Example: lightning-rl policies promote --adapter exported/adapter --store runs.db --server-url http://127.0.0.1:8000 --served-name policy --gate-tasks held_out.jsonl --gate-agent my_pkg.agents:solve
     """
@@ -73,4 +73,4 @@ def promote(adapter, store, server_url, served_name, gate_path, gate_agent, gate
                                    gate_tasks=tasks, gate_n=gate_n, margin=gate_margin, confidence=gate_confidence)
     click.echo(json.dumps(result))
     if result["decision"] != "promoted":
-        raise SystemExit(2)
+        raise SystemExit(3)  # not a mistake (1) nor a usage error (2): the gate's answer

@@ -252,13 +252,16 @@ def train_replay(run_store, model_dir, out, served_name, policies, lr, temperatu
 def train_verl(agent, store, tasks_path, val_path, data_dir, print_command, overrides) -> None:
     """Train with verl (Ray, GPUs): verl's own trainer over the traced agent, with the packaged Hydra config.
 
-    Any Hydra override can follow (trainer.n_gpus_per_node=8, actor_rollout_ref.model.path=..., ...). A setting
-    that would lose rows or train the wrong thing (an async trainer mode, a LoRA the OpenAI routes would not
-    serve, a rollout engine without token ids) is refused before anything starts (docs/verl.md).
+    Any Hydra override can follow (trainer.n_gpus_per_node=8, actor_rollout_ref.model.path=..., ...). Refused in
+    one line before anything starts: verl's legacy trainer (trainer.use_v1=false), its async modes
+    (trainer.v1.trainer_mode other than sync), a rollout engine other than vllm, a LoRA without
+    actor_rollout_ref.model.lora.merge=true, several nodes on a SQLite store, an agent that does not import,
+    dataset files that do not exist. --print-command checks the settings where verl is installed. More: docs/verl.md
+    in the source.
 
     Example: lightning-rl train verl --agent my_pkg.agents:solve --tasks tasks.jsonl --val-tasks held_out.jsonl actor_rollout_ref.model.path=Qwen/Qwen2.5-1.5B-Instruct trainer.n_gpus_per_node=8
     """
-    from ..trainer_bridge.verl_launch import data_overrides, run_verl, verl_command
+    from ..trainer_bridge.verl_launch import check_verl_config, composed_config, data_overrides, run_verl, verl_command
 
     if val_path and not tasks_path:
         raise ConfigurationError("--val-tasks needs --tasks too (or give data.train_files= and data.val_files=)")
@@ -266,6 +269,14 @@ def train_verl(agent, store, tasks_path, val_path, data_dir, print_command, over
     val_tasks = read_tasks(val_path) if val_path else None
     if print_command:
         data = data_overrides(tasks, val_tasks, data_dir, overrides)
-        click.echo(" ".join(verl_command(agent, [*overrides, *data], store=store)))
+        command = verl_command(agent, [*overrides, *data], store=store)
+        try:  # where verl is installed, the command is checked as the launch will check it
+            import hydra  # noqa: F401
+            import verl  # noqa: F401
+        except ImportError:
+            click.echo("(verl is not installed here: the configuration is checked when the command runs)", err=True)
+        else:  # the settings only: the agent and the data files are the running machine's (it may be another)
+            check_verl_config(composed_config(command))
+        click.echo(" ".join(command))
         return
     raise SystemExit(run_verl(agent, overrides, store=store, tasks=tasks, val_tasks=val_tasks, data_dir=data_dir))

@@ -40,8 +40,9 @@ def write_verl_dataset(tasks: Sequence[Any], path: str | Path, *, split: str = "
         raise ConfigurationError(f"no task to write to {str(path)!r}; give at least one")
     try:
         import pandas as pd
-    except ImportError as exc:  # pragma: no cover - pandas comes with verl
-        raise ImportError("writing verl's parquet needs pandas and pyarrow: pip install 'lightning-rl[verl]'") from exc
+    except ImportError as exc:  # the CLI turns it into one line naming the extra (errors.missing_dependency)
+        raise ImportError("writing verl's parquet needs pandas and pyarrow: pip install 'lightning-rl[verl]'",
+                          name=exc.name or "pandas") from exc
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(verl_rows(tasks, split=split)).to_parquet(path, index=False)

@@ -31,12 +31,16 @@ from ..errors import ConfigurationError
 def actor_folder(checkpoint: str | Path) -> Path:
     """The actor folder of a verl checkpoint given as ``global_step_N`` or ``global_step_N/actor``."""
     path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigurationError(f"--verl-checkpoint {str(path)!r} does not exist; give trainer.default_local_dir/"
+                                 "global_step_N of a run saved with trainer.save_freq")
+    needed = ("huggingface/config.json", "fsdp_config.json", "model_world_size_*_rank_0.pt")
     for candidate in (path, path / "actor"):
-        if (candidate / "huggingface" / "config.json").is_file() and any(candidate.glob("model_world_size_*_rank_0.pt")):
+        if all(any(candidate.glob(name)) for name in needed):
             return candidate
-    raise ConfigurationError(f"--verl-checkpoint {str(path)!r} is not a verl FSDP checkpoint (no huggingface/config.json "
-                             "and model_world_size_*_rank_0.pt in it or in its actor/); give "
-                             "trainer.default_local_dir/global_step_N of a run saved with trainer.save_freq")
+    raise ConfigurationError(f"--verl-checkpoint {str(path)!r} is not a verl FSDP checkpoint (no {', '.join(needed)} in "
+                             "it or in its actor/); give trainer.default_local_dir/global_step_N of a run saved with "
+                             "trainer.save_freq")
 
 
 def export_verl_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
@@ -49,12 +53,19 @@ def export_verl_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     try:
         from verl.model_merger.base_model_merger import ModelMergerConfig
         from verl.model_merger.fsdp_model_merger import FSDPModelMerger
-    except ImportError as exc:
-        raise ImportError("exporting a verl checkpoint needs verl: pip install 'lightning-rl[verl]'") from exc
+    except ImportError as exc:  # the CLI turns it into one line naming the extra (errors.missing_dependency)
+        raise ImportError("exporting a verl checkpoint needs verl: pip install 'lightning-rl[verl]'",
+                          name=exc.name or "verl") from exc
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     work = out / ".verl_merger"  # what verl's merger writes: the model, and lora_adapter/ for a LoRA
-    FSDPModelMerger(ModelMergerConfig(operation="merge", backend="fsdp", local_dir=str(actor), target_dir=str(work),
-                                      hf_model_config_path=str(actor / "huggingface"))).merge_and_save()
+    try:
+        FSDPModelMerger(ModelMergerConfig(operation="merge", backend="fsdp", local_dir=str(actor), target_dir=str(work),
+                                          hf_model_config_path=str(actor / "huggingface"))).merge_and_save()
+    except Exception as exc:  # noqa: BLE001 - a damaged or partial checkpoint: one line, nothing left behind
+        shutil.rmtree(out if made else work, ignore_errors=True)
+        raise ConfigurationError(f"verl's model merger could not read {str(actor)!r} ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]}); give a complete checkpoint folder") from None
     adapter = None
     if not (work / "lora_adapter").is_dir():
         work.rename(out / "merged")

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..settings import DEFAULT_STORE, ENV_STORE
-from ..store.uri import store_kind
+from ..store.uri import parse_store_url, store_kind
 
 SUPPORTED = (">=0.9.1", "<0.10")
 RANGE = "verl>=0.9.1,<0.10"
@@ -104,9 +104,19 @@ def _lora_rank(cfg: Any) -> int:
     return int(_get(cfg, f"{model}.lora.rank", 0) or 0) or int(_get(cfg, f"{model}.lora_rank", 0) or 0)
 
 
+#: The settings under ``lightning_rl`` in verl's config (``verl_config/lightning_rl_grpo.yaml`` documents each).
+LIGHTNING_RL_KEYS = frozenset({"agent", "store", "rollouts", "external_timeout", "agents", "credit", "failure_reward",
+                               "infra_errors", "model", "server_url"})
+
+
 def check_verl_config(cfg: Any) -> None:
     """Refuse, with one line naming the setting and the fix, a verl configuration under which the rows would
     be lost or would train the wrong thing. Called at launch (``verl_main``) and by the agent loop."""
+    ours = _get(cfg, "lightning_rl", {}) or {}
+    unknown = sorted(set(ours) - LIGHTNING_RL_KEYS) if hasattr(ours, "keys") else []
+    if unknown:
+        raise ConfigurationError(f"lightning_rl.{unknown[0]} is not a lightning-rl setting; known: "
+                                 f"{', '.join(sorted(LIGHTNING_RL_KEYS))}")
     if not _get(cfg, "trainer.use_v1", True):
         raise ConfigurationError(
             "trainer.use_v1=false: verl's legacy trainer takes one row per try, so the earlier segments of a "
@@ -140,11 +150,33 @@ def check_verl_config(cfg: Any) -> None:
         raise ConfigurationError(_shared_store_message(nodes, str(store)))
 
 
+def check_launch_inputs(cfg: Any) -> None:
+    """What only the launching machine can check before Ray starts: the agent imports (where verl's workers run
+    it) and local dataset files exist. One line naming the setting and the fix."""
+    from .runner import load_agent
+
+    rollouts = _get(cfg, "lightning_rl.rollouts", "in_worker")
+    agent = _get(cfg, "lightning_rl.agent")
+    if rollouts == "in_worker":
+        if not agent:
+            raise ConfigurationError("set the traced agent verl's workers run: --agent my_pkg.agents:solve "
+                                     "(lightning_rl.agent), or lightning_rl.rollouts=external")
+        load_agent(str(agent))
+    for key in ("data.train_files", "data.val_files"):
+        files = _get(cfg, key)
+        for name in ([files] if isinstance(files, str) else list(files or [])):
+            name = str(name)
+            if "://" not in name and not Path(os.path.expanduser(name)).exists():
+                raise ConfigurationError(f"{key}={name} does not exist here; give tasks with --tasks FILE (JSON lines: "
+                                         f"written as verl's parquet) or {key}= an existing parquet file")
+
+
 def _shared_store_message(nodes: int, target: str) -> str:
     return (f"a run on {nodes} nodes needs a store every node can write, but {target!r} is a SQLite "
             "file: its locks and WAL do not work across machines (not even on a shared filesystem). Run "
             "`lightning-rl store serve --db runs.db --host 0.0.0.0 --token $TOKEN` on one node and pass "
-            "--store http://THAT_NODE:8765 (and LIGHTNING_RL_STORE_TOKEN on every node), or a postgresql:// store")
+            "--store http://THAT_NODE:8765 (with LIGHTNING_RL_STORE_TOKEN in this shell: the launch hands it to "
+            "verl's Ray actors), or a postgresql:// store")
 
 
 def _nodes(overrides: Sequence[str]) -> int:
@@ -176,6 +208,8 @@ def verl_command(agent: str | None, overrides: Sequence[str] = (), *, store: str
     target = store or os.environ.get(ENV_STORE) or DEFAULT_STORE
     if _nodes(overrides) > 1 and store_kind(target) not in ("http", "postgres"):
         raise ConfigurationError(_shared_store_message(_nodes(overrides), target))
+    if store_kind(target) == "sqlite":  # verl's actors may run in another directory: the file by its full path
+        store = "sqlite:///" + os.path.abspath(parse_store_url(target)[1])
     args = [sys.executable, "-m", "lightning_rl.trainer_bridge.verl_main", "--config-path", str(CONFIG_DIR),
             "--config-name", CONFIG_NAME,
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loops.yaml'}"]
@@ -200,15 +234,25 @@ def data_overrides(tasks: Sequence[Any] | None, val_tasks: Sequence[Any] | None,
     if clash:
         raise ConfigurationError(f"--tasks writes verl's dataset files itself, and {', '.join(clash)} names others; "
                                  "give either --tasks (and --val-tasks) or the parquet files, not both")
-    train = write_verl_dataset(tasks, Path(data_dir) / "train.parquet", split="train")
+    data_dir = Path(data_dir).resolve()  # verl's actors may run in another directory
+    train = write_verl_dataset(tasks, data_dir / "train.parquet", split="train")
     out = [f"data.train_files={_quoted(str(train))}"]
     if val_tasks:
-        val = write_verl_dataset(val_tasks, Path(data_dir) / "val.parquet", split="val")
+        val = write_verl_dataset(val_tasks, data_dir / "val.parquet", split="val")
         out.append(f"data.val_files={_quoted(str(val))}")
     else:
         out.append(f"data.val_files={_quoted(str(train))}")
         out += [o for o in ("trainer.val_before_train=false", "trainer.test_freq=-1") if o.partition("=")[0] not in given]
     return out
+
+
+def composed_config(command: Sequence[str]) -> Any:
+    """verl's config as ``verl_main`` will compose it from ``command`` (``verl_command``'s), for the checks."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [arg for arg in command[command.index(CONFIG_NAME) + 1:]]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(CONFIG_NAME, overrides=overrides)
 
 
 def run_verl(agent: str | None, overrides: Sequence[str] = (), *, store: str | None = None,

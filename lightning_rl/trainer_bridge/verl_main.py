@@ -4,8 +4,9 @@
 user's overrides. It does what verl's ``main_ppo.main`` does (``auto_set_device``, ``validate_config``,
 ``run_ppo``), after :func:`prepare`:
 
-* refuses a configuration that would lose rows or train the wrong thing (``verl_launch.check_verl_config``):
-  one line naming the setting and the fix, before Ray or a GPU is touched;
+* refuses a configuration that would lose rows or train the wrong thing (``verl_launch.check_verl_config``),
+  an agent that does not import and dataset files that do not exist (``check_launch_inputs``): one line naming
+  the setting and the fix, before Ray or a GPU is touched;
 * runs verl's V1 sync trainer with each weight sync recorded as a publish (``verl_trainer``);
 * runs verl's ``TaskRunnerV1`` through ``run_ppo``'s own extension point (``task_runner_class``) as an actor
   whose runtime environment carries this shell's ``LIGHTNING_RL_*`` variables (the store's token among them)
@@ -23,7 +24,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ..errors import ConfigurationError
-from .verl_launch import CONFIG_NAME, check_verl_config, check_verl_version
+from .verl_launch import CONFIG_NAME, check_launch_inputs, check_verl_config, check_verl_version
 
 
 def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -37,8 +38,10 @@ def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def prepare(config: DictConfig) -> DictConfig:
-    """Check ``config`` (``check_verl_config``); returns it."""
+    """Check ``config`` (``check_verl_config``) and what only this machine can check before Ray starts (the agent
+    imports, the dataset files exist: ``check_launch_inputs``); returns it."""
     check_verl_config(config)
+    check_launch_inputs(config)
     return config
 
 
@@ -65,7 +68,7 @@ def main(config: DictConfig) -> None:
         check_verl_version()
         prepare(config)
     except ConfigurationError as exc:  # one line, no traceback (Hydra would print one for an exception)
-        raise SystemExit(f"lightning-rl: {exc}") from None
+        raise SystemExit(f"Error: {exc}") from None
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config

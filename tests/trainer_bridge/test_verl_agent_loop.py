@@ -19,7 +19,7 @@ import lightning_rl as lrl  # noqa: E402
 from lightning_rl.tracer import tracing  # noqa: E402
 
 from ..conftest import ensure_tiny_model  # noqa: E402
-from .verl_v1 import compose_config, train_step, transfer_queue, v1_worker  # noqa: E402,F401 - a fixture
+from .verl_v1 import compose_config, train_step, transfer_queue, v1_worker, within  # noqa: E402,F401 - a fixture
 
 VERL_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
@@ -76,7 +76,7 @@ def _run_v1_prompt(config, worker, uid, task, global_steps):
                   "extra_info": {"task_json": __import__("json").dumps(task)}}
         await worker._run_prompt(prompt, dict(VERL_SAMPLING), trajectory=trajectory)
 
-    asyncio.run(go())
+    within(300, asyncio.run, go())
 
 
 def test_verls_v1_worker_runs_our_loop_and_trains_every_segment_with_the_published_version(vllm_url, tmp_path,

@@ -11,6 +11,8 @@ import lightning_rl as lrl
 from lightning_rl.cli import main
 from lightning_rl.trainer_bridge.verl_launch import CONFIG_DIR, CONFIG_NAME, check_verl_version, verl_command
 
+AGENT = "tests.trainer_bridge.verl_agents:two_turn_solver"
+
 
 def test_version_range_is_named_in_the_error():
     assert check_verl_version("0.9.1") == "0.9.1" and check_verl_version("0.9.2.dev0") == "0.9.2.dev0"
@@ -102,7 +104,7 @@ def test_tasks_become_verls_dataset_and_reach_the_agent_unchanged(tmp_path):
     tasks = [{"question": "What is 12+30?", "answer": 42}, "plain text", [1, {"nested": None}], 7]
     (tmp_path / "tasks.jsonl").write_text("\n".join(json.dumps(t) for t in tasks) + "\n")
     (tmp_path / "val.jsonl").write_text(json.dumps({"question": "held out"}) + "\n")
-    result = CliRunner().invoke(main, ["train", "verl", "--agent", "pkg.agents:solve", "--print-command",
+    result = CliRunner().invoke(main, ["train", "verl", "--agent", AGENT, "--print-command",
                                        "--tasks", str(tmp_path / "tasks.jsonl"), "--val-tasks",
                                        str(tmp_path / "val.jsonl"), "--data-dir", str(tmp_path / "data")])
     assert result.exit_code == 0, result.output
@@ -115,10 +117,10 @@ def test_tasks_become_verls_dataset_and_reach_the_agent_unchanged(tmp_path):
     assert len(dataset) == len(tasks)
     assert [task_of(dataset[i]) for i in range(len(tasks))] == tasks
     assert dataset[0]["agent_name"] == "lightning_rl"
-    clash = CliRunner().invoke(main, ["train", "verl", "--agent", "a:b", "--print-command", "--tasks",
+    clash = CliRunner().invoke(main, ["train", "verl", "--agent", AGENT, "--print-command", "--tasks",
                                       str(tmp_path / "tasks.jsonl"), "data.train_files=/x.parquet"])
     assert clash.exit_code == 1 and "data.train_files" in clash.output
-    without_val = CliRunner().invoke(main, ["train", "verl", "--agent", "a:b", "--print-command", "--tasks",
+    without_val = CliRunner().invoke(main, ["train", "verl", "--agent", AGENT, "--print-command", "--tasks",
                                             str(tmp_path / "tasks.jsonl"), "--data-dir", str(tmp_path / "d2")])
     assert "trainer.val_before_train=false" in without_val.output and "trainer.test_freq=-1" in without_val.output
 
@@ -141,5 +143,64 @@ def test_a_setting_verl_would_run_wrongly_stops_the_launch_in_one_line(tmp_path,
                "--store", f"sqlite:///{tmp_path / 'runs.db'}", *override.split()]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert done.stderr.strip().count("\n") == 0 and named in done.stderr and done.stderr.startswith("lightning-rl: ")
+    assert done.stderr.strip().count("\n") == 0 and named in done.stderr and done.stderr.startswith("Error: ")
     assert not (tmp_path / "runs.db").exists()  # nothing started
+
+
+@pytest.mark.verl
+def test_the_launch_checks_the_agent_the_data_and_our_settings_before_ray(tmp_path):
+    """An agent that does not import, a dataset file that does not exist, a lightning_rl setting with a typo:
+    one line each, from the real launch; --print-command checks the same where verl is installed."""
+    import os
+    import subprocess
+    import sys
+
+    from ..conftest import ROOT
+
+    pytest.importorskip("verl")
+    (tmp_path / "tasks.jsonl").write_text('{"q": 1}\n')
+
+    def launch(*args):
+        command = [sys.executable, "-m", "lightning_rl.cli", "train", "verl", "--store",
+                   f"sqlite:///{tmp_path / 'runs.db'}", *args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the agent's package, as a user's is on their path
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+    for args, named in ((["--agent", "my_pkg.agent:solve", "--tasks", "tasks.jsonl"], "cannot load agent"),
+                        (["--agent", AGENT, "data.train_files=missing.parquet", "data.val_files=missing.parquet"],
+                         "data.train_files=missing.parquet does not exist"),
+                        (["--agent", AGENT, "--tasks", "tasks.jsonl", "+lightning_rl.rollout=external"],
+                         "lightning_rl.rollout is not a lightning-rl setting"),
+                        (["--agent", AGENT, "--tasks", "tasks.jsonl", "--print-command",
+                          "trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async")):
+        done = launch(*args)
+        assert done.returncode == 1, (args, done.stderr[-2000:])
+        assert named in done.stderr and done.stderr.strip().splitlines()[-1].startswith("Error: "), done.stderr
+        assert "Traceback" not in done.stderr
+    printed = launch("--agent", AGENT, "--tasks", "tasks.jsonl", "--print-command")
+    assert printed.returncode == 0, printed.stderr
+    # the files verl's actors open are named by their full paths (they may run in another directory)
+    assert f"data.train_files={tmp_path / 'lightning_rl_verl_data' / 'train.parquet'}" in printed.stdout
+    assert f"lightning_rl.store=sqlite:///{tmp_path / 'runs.db'}" in printed.stdout
+
+
+def test_export_model_from_a_verl_checkpoint_says_what_is_wrong_in_one_line(tmp_path):
+    from lightning_rl.errors import MissingDependencyError  # noqa: F401 - what the CLI shows for a missing extra
+
+    missing = CliRunner().invoke(main, ["export-model", "--verl-checkpoint", str(tmp_path / "nope"), "--out",
+                                        str(tmp_path / "out")])
+    assert missing.exit_code == 1 and "does not exist" in missing.output and missing.output.count("\n") == 1
+    partial = tmp_path / "global_step_2" / "actor"
+    (partial / "huggingface").mkdir(parents=True)
+    (partial / "huggingface" / "config.json").write_text("{}")
+    (partial / "model_world_size_1_rank_0.pt").write_bytes(b"not a checkpoint")
+    done = CliRunner().invoke(main, ["export-model", "--verl-checkpoint", str(partial.parent), "--out",
+                                     str(tmp_path / "out")])
+    assert done.exit_code == 1 and "fsdp_config.json" in done.output and done.output.count("\n") == 1
+    (partial / "fsdp_config.json").write_text("{}")
+    done = CliRunner().invoke(main, ["export-model", "--verl-checkpoint", str(partial.parent), "--out",
+                                     str(tmp_path / "out")])
+    # without verl: the extra to install; with verl: the merger's complaint about the damaged file
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert "pip install 'lightning-rl[verl]'" in done.output or "could not read" in done.output
+    assert not (tmp_path / "out").exists()

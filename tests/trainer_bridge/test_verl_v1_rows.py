@@ -15,7 +15,7 @@ import lightning_rl as lrl
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
 
 from ..store.helpers import llm_span, rollout
-from .verl_v1 import compose_config, train_step, transfer_queue, v1_worker  # noqa: F401 - a fixture
+from .verl_v1 import compose_config, train_step, transfer_queue, v1_worker, within  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.verl, pytest.mark.ray]
 pytest.importorskip("verl")
@@ -70,7 +70,7 @@ def _put(tq, worker, groups: dict[str, list], global_steps: int) -> None:
                                                      agent_name="lightning_rl")
             await tq.async_kv_put(key=uid, partition_id="train", tag={"status": "finished"})
 
-    asyncio.run(put_all())
+    within(120, asyncio.run, put_all())
 
 
 def test_every_segment_is_a_row_that_v1s_step_trains_and_reads_versions_from(tmp_path, transfer_queue):

@@ -3,6 +3,7 @@ agent-loop worker, its replay buffer and the trainer step's own advantage and me
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,27 @@ def transfer_queue():
     yield tq
     tq.close()
     ray.shutdown()
+
+
+def within(seconds: float, fn, *args, **kwargs):
+    """``fn``'s result, or a test failure after ``seconds``: verl's replay buffer and TransferQueue calls wait
+    without a limit, and a test must fail, not hang, when what they wait for never comes."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} did not finish within {seconds} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def compose_config(db, *, prompt_length: int, response_length: int, n: int, agent: str, **lightning):
@@ -65,7 +87,7 @@ def train_step(tq, config, *, uids: int, global_steps: int):
     buffer = ReplayBuffer(trainer_mode="sync", trainer_config=config.trainer.v1.get("sync", {}),
                           max_off_policy_threshold=None, max_off_policy_strategy="drop",
                           sampler_kwargs=config.trainer.v1.sampler, poll_interval=0.1, train_batch_size=uids)
-    batch, _ = buffer.sample(global_steps=global_steps, partition_id="train", batch_size=uids)
+    batch, _ = within(300, buffer.sample, global_steps=global_steps, partition_id="train", batch_size=uids)
     engine = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["rollout_log_probs"])
     tq.kv_batch_put(keys=batch.keys, partition_id="train",
                     fields=TensorDict({"old_log_probs": engine["rollout_log_probs"]}, batch_size=len(batch.keys)))
