@@ -70,6 +70,7 @@ def test_continuous_demo_trains_through_the_cli(tmp_path):
     assert {"success_before", "success_after", "minutes", "updates", "rollouts", "rewards_given",
             "dropped_stale", "plot", "store", "gate_refused", "rolled_back", "max_drop"} <= set(summary)
     assert summary["gate_refused"] + summary["gate_promoted"] == summary["updates"]  # every candidate was judged
+    assert 0 <= summary["refused_worse"] <= summary["gate_refused"] and summary["bad_feedback_share"] == 1.0
     assert 0 <= summary["max_drop"] <= 1 and summary["rolled_back"] == 0 and summary["bad_feedback"] >= 1
     assert summary["updates"] >= 1 and summary["rollouts"] >= 100
     assert 0 < summary["rewards_given"] <= summary["rollouts"] - summary["feedback_never"]
@@ -79,6 +80,8 @@ def test_continuous_demo_trains_through_the_cli(tmp_path):
     promoted = [u["candidate_version"] for u in updates if u["gate_decision"] == "promoted"]
     assert promoted == list(range(1, len(promoted) + 1))  # a refused candidate takes no version
     assert all(u["gate_n_candidate"] == u["gate_n_live"] == 8 for u in updates)
+    assert summary["refused_worse"] == sum(u["gate_decision"] == "refused" and u["gate_difference"] < -u["gate_margin"]
+                                           for u in updates)
     assert all(u["skipped_other_sampling"] == 0 and u["calls_without_engine_ids"] == 0 for u in updates)
     assert "serving policy version 0" in (out / "trainer.log").read_text()  # the CLI trained it
 

@@ -14,7 +14,9 @@
    delay (exponential, capped); the others never do.
 4. A bad phase (``--bad-from``/``--bad-until`` minutes of traffic): the users who arrive then give
    wrong feedback: they reward a confident wrong answer and not a right one (``--bad-kind inverted``),
-   or give a coin flip (``noise``). The trainer cannot tell; it trains on it.
+   or give a coin flip (``noise``), and every one of them gives it (``--bad-feedback 1.0``: a broken
+   feedback button that answers for every user), so the trainer's batches in the phase are wrong feedback
+   alone. The trainer cannot tell; it trains on it.
 5. The guard: each update is a candidate, evaluated by the gate before it goes live: the production
    agent (``gate_agent.py``) on held-out sums (``--gate-tasks`` of them, never asked in production),
    with the true reward, against the candidate and against the live policy; promoted only when not
@@ -24,8 +26,10 @@
    windows of time, for all users, including those who never give feedback.
 
 Output: ``production.png`` (success per window, each published version and each refusal marked, the
-bad phase shaded) and a last stdout line of JSON (``gate_refused``, ``rolled_back``, ``max_drop``: the
-largest fall of success from one window to the next).
+bad phase shaded) and a last stdout line of JSON (``gate_refused``; ``refused_worse``: the refusals of a
+candidate that scored below the live policy by more than the gate's margin, the guard catching what the
+bad phase taught, not a candidate merely unproven; ``rolled_back``; ``max_drop``: the largest fall of
+success from one window to the next).
 
 Run: make demo-continuous   (or .venv/bin/python examples/continuous/simulate.py --seed 1)
 """
@@ -166,8 +170,9 @@ async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0
         if next_at >= end:
             break
         await asyncio.sleep(max(0.0, next_at - time.time()))
-        delay = (min(rng.expovariate(1 / args.feedback_delay), args.feedback_max)
-                 if rng.random() < args.feedback else None)
+        in_bad_phase = args.bad_from * 60 <= next_at - t0 < args.bad_until * 60
+        gives = rng.random() < (args.bad_feedback if in_bad_phase else args.feedback)
+        delay = min(rng.expovariate(1 / args.feedback_delay), args.feedback_max) if gives else None
         task = asyncio.create_task(user(tasks[i], next_at - t0, delay))
         running.add(task)
         task.add_done_callback(running.discard)
@@ -266,6 +271,8 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=30.0, help="seconds per success window")
     parser.add_argument("--bad-from", type=float, default=3.0, help="minute of traffic the bad phase begins")
     parser.add_argument("--bad-until", type=float, default=4.5, help="minute of traffic it ends (= --bad-from: none)")
+    parser.add_argument("--bad-feedback", type=float, default=1.0,
+                        help="fraction of the bad phase's users who give (wrong) feedback")
     parser.add_argument("--bad-kind", choices=["inverted", "noise"], default="inverted",
                         help="inverted: users reward wrong answers, not right ones; noise: a coin flip")
     parser.add_argument("--gate-tasks", type=int, default=64, help="held-out sums the gate asks (0: no gate)")
@@ -342,6 +349,8 @@ def main() -> None:
         "window_success": [None if w["success"] is None else round(w["success"], 3) for w in wins],
         "max_drop": round(max_drop(wins), 3),
         "gate_refused": len(refused),
+        "refused_worse": sum(u.get("gate_decision") == "refused" and u["gate_difference"] < -u["gate_margin"]
+                             for u in updates),
         "gate_promoted": sum(d.decision == "promoted" for d in decisions),
         "rolled_back": sum(d.decision == "rolled_back" for d in decisions),
         "bad_phase": [args.bad_from, args.bad_until, args.bad_kind],
@@ -359,7 +368,7 @@ def main() -> None:
         "trained_on": sum(u["rollouts"] for u in updates),
         "dropped_stale": sum(u["dropped_stale"] for u in updates),  # counted by the updates they preceded
         "gate_tasks": args.gate_tasks, "gate_margin": args.gate_margin, "gate_confidence": args.gate_confidence,
-        "rate": args.rate, "feedback": args.feedback, "min_new": args.min_new, "lr": args.lr,
+        "rate": args.rate, "feedback": args.feedback, "bad_feedback_share": args.bad_feedback, "min_new": args.min_new, "lr": args.lr,
         "max_policy_lag": args.max_policy_lag, "seed": args.seed, "model_dir": args.model_dir,
         "plot": str(plot_path), "metrics": str(metrics_path),
         "store": str(out / "runs.db"), "trainer_log": str(out / "trainer.log"),
