@@ -274,6 +274,10 @@ class PolicyRecord(_Record):
     time: float = Field(default_factory=time.time)
     #: Lineage: group ids of the rollouts this version was trained on, in batch order; None when not recorded.
     trained_on: list[str] | None = None
+    #: The version-specific name every serving replica serves this version under (``policy@v5``): traced calls
+    #: to ``served_name`` are sent to it and stamped ``version`` (trainer_bridge/replicas.py). None: loaded in
+    #: place under ``served_name`` only.
+    served_as: str | None = None
 
 
 class Decision(StrEnum):

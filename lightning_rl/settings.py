@@ -8,7 +8,10 @@ variable                           meaning                                      
                                    comma-separated: a client fails over), or
                                    ``postgresql://user@host:port/db[?schema=NAME]``
 ``LIGHTNING_RL_STORE_TOKEN``       bearer token for a store server (client and                 none
-                                   ``lightning-rl store serve``)
+                                   ``lightning-rl store serve``, where it is the admin token)
+``LIGHTNING_RL_STORE_TOKENS_FILE`` ``lightning-rl store serve``'s tokens with roles: lines of   none
+                                   ``ROLES TOKEN`` (``store/server_auth.py``), re-read when
+                                   the file changes
 ``LIGHTNING_RL_SPILL_DIR``         where an HTTP or PostgreSQL store keeps records while its   ``~/.cache/lightning-rl/
                                    server or database is unreachable (replayed when it         spill/HOST_PORT``
                                    returns); with several servers, their names joined by       (``pg_HOST_PORT_DB_
@@ -82,6 +85,7 @@ SQLITE_SYNCHRONOUS = ("normal", "full")
 ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
 ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
 ENV_STORE_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
+ENV_STORE_TOKENS_FILE = "LIGHTNING_RL_STORE_TOKENS_FILE"
 ENV_SPILL_DIR = "LIGHTNING_RL_SPILL_DIR"
 ENV_REDACT = "LIGHTNING_RL_REDACT"
 ENV_REDACTED_TOKENS = "LIGHTNING_RL_REDACTED_TOKENS"

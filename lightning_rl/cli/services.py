@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from ..settings import ENV_GATEWAY_TOKEN, ENV_STORE_TOKEN, ENV_VIEW_TOKEN
+from ..settings import ENV_GATEWAY_TOKEN, ENV_STORE_TOKEN, ENV_STORE_TOKENS_FILE, ENV_VIEW_TOKEN
 from ._common import STORE_HELP, errors, open_store, when
 
 @click.group("store")
@@ -20,10 +20,14 @@ def store_group() -> None:
 @click.option("--db", default="lightning_rl.db", show_default=True,
               help="The store to serve: a SQLite file, or postgresql://USER@HOST:PORT/DATABASE[?schema=NAME].")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind; anything but loopback needs --token.")
+              help="Address to bind; anything but loopback needs --token or --tokens.")
 @click.option("--port", type=int, default=8765, show_default=True)
 @click.option("--token", envvar=ENV_STORE_TOKEN, default=None,
-              help="Bearer token clients must send (default: $LIGHTNING_RL_STORE_TOKEN).")
+              help="The admin bearer token (default: $LIGHTNING_RL_STORE_TOKEN).")
+@click.option("--tokens", "tokens_file", envvar=ENV_STORE_TOKENS_FILE, default=None,
+              type=click.Path(dir_okay=False),
+              help="File of tokens with roles, one 'ROLES TOKEN' a line (lightning-rl store token prints them), "
+                   "re-read when it changes (default: $LIGHTNING_RL_STORE_TOKENS_FILE).")
 @click.option("--max-body-mb", type=float, default=64, show_default=True, help="Largest request body accepted.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Server processes on the port (they parse in parallel and share the store).")
@@ -32,8 +36,8 @@ def store_group() -> None:
                    "commit); normal: a killed server.")
 @click.option("--log-level", default="warning", show_default=True)
 @errors
-def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: float, workers: int,
-                synchronous: str | None, log_level: str) -> None:
+def store_serve(db: str, host: str, port: int, token: str | None, tokens_file: str | None, max_body_mb: float,
+                workers: int, synchronous: str | None, log_level: str) -> None:
     """Serve a store over HTTP; clients set LIGHTNING_RL_STORE=http://HOST:PORT.
 
     Over PostgreSQL the server is stateless: start any number, on any machines, over one database, and give
@@ -43,12 +47,14 @@ def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: f
     Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --port 8765 --token $TOKEN
 
     Example: lightning-rl store serve --db postgresql://lrl@db.internal:5432/lrl --host 0.0.0.0 --token $TOKEN
+
+    Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --tokens /etc/lightning-rl/tokens
     """
     from ..serving import STORE_SERVER, check_bind
     from ..store.server import serve
     from ..store.uri import store_kind
 
-    check_bind(STORE_SERVER, host, token)
+    check_bind(STORE_SERVER, host, token or tokens_file)
     kind = store_kind(db)
     if kind not in ("sqlite", "postgres"):
         raise click.ClickException(f"--db {db!r:.200} is not a SQLite file or a postgresql:// URL; a store server "
@@ -57,7 +63,7 @@ def store_serve(db: str, host: str, port: int, token: str | None, max_body_mb: f
         raise click.ClickException("--synchronous is SQLite's; a PostgreSQL store is as durable as the database "
                                    "makes it (its synchronous_commit setting): leave --synchronous out")
     serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
-          workers=workers, synchronous=synchronous, announce=lambda: click.echo(
+          workers=workers, synchronous=synchronous, tokens_file=tokens_file, announce=lambda: click.echo(
               f"serving {shown_url(db)} on http://{host}:{port} (OpenAPI at /openapi.json)", err=True))
 
 
@@ -239,6 +245,35 @@ def store_openapi() -> None:
     click.echo(openapi_schema())
 
 
+@store_group.command("token")
+@click.option("--role", "roles", multiple=True, required=True,
+              help="runner (write rollouts, lease and complete tries), reader (read-only: view, export) or admin "
+                   "(everything: erase, publish, decide, enqueue); repeat for several. docs/fleet.md lists which "
+                   "command needs which.")
+@click.option("--json", "as_json", is_flag=True, help="The token and the line as one JSON object.")
+@errors
+def store_token(roles: tuple[str, ...], as_json: bool) -> None:
+    """Mint a token for a store server: the token (give it to the client, as LIGHTNING_RL_STORE_TOKEN) and the
+    line to append to the server's tokens file (--tokens; it holds only the token's SHA-256). The server
+    reads the file again within a second of a change: no restart; delete the line to revoke the token.
+
+    Example: lightning-rl store token --role runner >> /etc/lightning-rl/tokens  (the line goes to the file; the
+    token, on stderr, to your terminal)
+
+    Example: lightning-rl store token --role runner --json
+    """
+    from ..store.server_auth import mint_token
+
+    minted = mint_token(list(roles))
+    if as_json:
+        click.echo(json.dumps({"roles": list(minted.roles), "token": minted.token, "line": minted.line}))
+        return
+    click.echo(f"# token (give it to the client as {ENV_STORE_TOKEN}; shown once, not kept anywhere):", err=True)
+    click.echo(f"#   {minted.token}", err=True)
+    click.echo(f"# append the next line to the server's tokens file ({ENV_STORE_TOKENS_FILE} or --tokens):", err=True)
+    click.echo(minted.line)
+
+
 @click.command("gateway")
 @click.option("--upstream", "upstreams", multiple=True, required=True,
               help="An OpenAI-compatible engine (vLLM), e.g. http://127.0.0.1:8000; repeat for several.")
@@ -323,9 +358,14 @@ def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host
 @click.option("--max-rollouts", type=int, default=None, help="Exit after running this many tries.")
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="Write a JSON report at exit (tries run, store write latencies).")
+@click.option("--wait", "lease_wait", type=click.FloatRange(0, 300), default=5.0, show_default=True,
+              help="Longest one lease request waits in the store for a try (a long poll: a queued try is taken at "
+                   "once, an idle runner asks once per WAIT seconds); 0: ask every --poll seconds.")
+@click.option("--poll", type=click.FloatRange(0.001, 60), default=0.05, show_default=True,
+              help="Pause between lease requests that did not wait (--wait 0, or a store that answers at once).")
 @errors
 def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id, idle_exit, max_rollouts,
-           report) -> None:
+           report, lease_wait, poll) -> None:
     """Run tries of the store's task queue with a traced agent, until stopped.
 
     Example: LIGHTNING_RL_STORE=http://10.0.0.5:8765 lightning-rl runner --agent my_pkg.agents:solve
@@ -337,7 +377,7 @@ def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id,
 
     opened = configure(store=store) if store else configure()
     worker = Runner(opened, load_agent(agent), runner_id=runner_id, concurrency=concurrency,
-                    lease_seconds=lease_seconds, rollout_timeout=rollout_timeout)
+                    lease_seconds=lease_seconds, rollout_timeout=rollout_timeout, wait=lease_wait, poll=poll)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     click.echo(f"{worker.runner_id}: running {agent} on tasks from {shown_url(opened)}", err=True)

@@ -79,7 +79,7 @@ def new_reward(rollout_id: str, value: Any, name: str, *, llm_call_index: int | 
 
 
 def policy_record(served_name: Any, version: Any, *, adapter: str | None, time: float | None,
-                  trained_on: Sequence[str] | None) -> PolicyRecord:
+                  trained_on: Sequence[str] | None, served_as: str | None = None) -> PolicyRecord:
     """The record ``record_policy`` stores."""
     if not isinstance(served_name, str) or not served_name:
         raise ConfigurationError(f"served_name must be the model name agents request, got {shown(served_name)}")
@@ -92,8 +92,11 @@ def policy_record(served_name: Any, version: Any, *, adapter: str | None, time: 
             raise ConfigurationError(
                 f"trained_on must hold non-empty group id strings, got {shown(bad[0])} in {shown(trained_on)}")
         trained_on = list(trained_on)
+    if served_as is not None and (not isinstance(served_as, str) or not served_as or served_as == served_name):
+        raise ConfigurationError(f"served_as must be the version's own served name (e.g. {served_name}@v{version}), "
+                                 f"other than {served_name!r}, or None; got {shown(served_as)}")
     return PolicyRecord(served_name=served_name, version=version, adapter=adapter, trained_on=trained_on,
-                        **({"time": time} if time is not None else {}))
+                        served_as=served_as, **({"time": time} if time is not None else {}))
 
 
 def decision_record(served_name: Any, version: Any, decision: Any, *, live_version: Any = None,

@@ -365,10 +365,12 @@ class HttpStore:
         reward = checks.new_reward(rollout_id, value, name, llm_call_index=llm_call_index, agent=agent, source=source,
                                    uid=uid)
         self.flush()  # a rollout that just finished in this process must be there
-        self.get_rollout(rollout_id)
-        self._request("POST", "/rewards", json=dict(
+        # the server answers 404 for an unknown rollout (no read first: a runner's token may not read rollouts)
+        written = self._request("POST", "/rewards", not_found_ok=True, json=dict(
             rollout_id=reward.rollout_id, value=reward.value, name=reward.name, llm_call_index=reward.llm_call_index,
             agent=reward.agent, source=reward.source.value, uid=reward.uid))
+        if written is None:
+            raise checks.not_found(rollout_id, self.url)
         return reward
 
     def rewarded_since(self, after: int = 0, *, name: str | None = None, limit: int = 10_000) -> tuple[list[str], int]:
@@ -381,9 +383,13 @@ class HttpStore:
 
     # -- PolicyLog ----------------------------------------------------------------------------------
     def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
-                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
-        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on)
-        self._request("POST", "/policies", json=record.model_dump(mode="json", exclude={"schema_version"}))
+                      time: float | None = None, trained_on: Sequence[str] | None = None,
+                      served_as: str | None = None) -> PolicyRecord:
+        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on,
+                                      served_as=served_as)
+        # served_as only when set: a store server from before it takes the publish as it was
+        self._request("POST", "/policies", json=record.model_dump(
+            mode="json", exclude={"schema_version"} | ({"served_as"} if record.served_as is None else set())))
         return record
 
     def policies(self, served_name: str | None = None) -> list[PolicyRecord]:
@@ -437,13 +443,25 @@ class HttpStore:
         return wire.QUEUE_ENTRIES.validate_python(data)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
-              key: str | None = None) -> list[QueueEntry]:
+              key: str | None = None, wait: float = 0.0) -> list[QueueEntry]:
         """Every call carries a key (a fresh one unless given), which its retries reuse, so an answer lost
-        on the way back (a server killed after its commit) strands nothing."""
+        on the way back (a server killed after its commit) strands nothing. ``wait``: the server holds the
+        request until a try can be leased (on its clock, not this machine's), each request at most
+        ``wire.MAX_LEASE_WAIT`` seconds and under this client's timeout; longer waits are several requests."""
+        from .task_queue import check_lease, check_wait
+
+        check_lease(lease_seconds, limit)
+        deadline = time.monotonic() + check_wait(wait)
+        key = key or uuid.uuid4().hex
         self.flush()  # an expired try is marked timed_out by the server; our own records go first
-        data = self._request("POST", "/queue/lease", json=dict(runner=runner, lease_seconds=lease_seconds, limit=limit,
-                                                               key=key or uuid.uuid4().hex))
-        return wire.QUEUE_ENTRIES.validate_python(data)
+        while True:
+            left = deadline - time.monotonic()
+            body: dict[str, Any] = dict(runner=runner, lease_seconds=lease_seconds, limit=limit, key=key)
+            if left > 0:  # sent only when waiting: a store server from before long polls takes the rest
+                body["wait"] = round(min(left, wire.MAX_LEASE_WAIT, max(self._timeout.read - 2.0, 0.5)), 3)
+            entries = wire.QUEUE_ENTRIES.validate_python(self._request("POST", "/queue/lease", json=body))
+            if entries or deadline - time.monotonic() <= 0:
+                return entries
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
         return self._request("POST", "/queue/heartbeat",
@@ -496,4 +514,6 @@ def _raise_for(resp: httpx.Response, url: str) -> None:
         raise RolloutNotFoundError(message)
     if resp.status_code == 401:
         raise ConfigurationError(f"the store server {url} refused the token: {message}")
+    if resp.status_code == 403:  # the token's role does not cover this request: waiting will not change that
+        raise ConfigurationError(f"the store server {url} refused this token the request (HTTP 403): {message}")
     raise ConfigurationError(f"the store server {url} refused the request (HTTP {resp.status_code}): {message}")

@@ -62,6 +62,7 @@ class InMemoryStore:
         self._decisions: list[PolicyDecision] = []
         self._queue: dict[str, QueueEntry] = {}
         self._qlock = threading.Lock()
+        self._bell = task_queue.Bell()  # rung by enqueues: waiting leases wake at once
         self._quarantine: list[QuarantinedRecord] = []
 
     # -- writes: every op applied at once -------------------------------------------------------------
@@ -274,13 +275,18 @@ class InMemoryStore:
     def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
                 group_id: str | None = None, once: bool = False,
                 overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
-        return task_queue.enqueue_in(self._queue_txn, task, n=n, mode=mode, max_tries=max_tries, group_id=group_id,
-                                     once=once, overrides=overrides)
+        entries = task_queue.enqueue_in(self._queue_txn, task, n=n, mode=mode, max_tries=max_tries, group_id=group_id,
+                                        once=once, overrides=overrides)
+        self._bell.ring()  # waiting leases wake at once
+        return entries
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
-              key: str | None = None) -> list[QueueEntry]:
-        return task_queue.lease_in(self._queue_txn, runner, lease_seconds=lease_seconds, limit=limit, key=key,
-                                   expire_rollout=self.expire_rollout, flush=self.flush)
+              key: str | None = None, wait: float = 0.0) -> list[QueueEntry]:
+        def lease_now() -> list[QueueEntry]:
+            return task_queue.lease_in(self._queue_txn, runner, lease_seconds=lease_seconds, limit=limit, key=key,
+                                       expire_rollout=self.expire_rollout, flush=self.flush)
+
+        return task_queue.lease_waiting(lease_now, wait, self._bell) if wait else lease_now()
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
         return task_queue.heartbeat_in(self._queue_txn, queue_id, runner, lease_seconds)
@@ -296,8 +302,10 @@ class InMemoryStore:
 
     # -- PolicyLog ----------------------------------------------------------------------------------
     def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
-                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
-        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on)
+                      time: float | None = None, trained_on: Sequence[str] | None = None,
+                      served_as: str | None = None) -> PolicyRecord:
+        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on,
+                                      served_as=served_as)
         with self._lock:  # a copy: its trained_on list is nobody's but the store's, as in a file
             self._policies.append(record.model_copy(deep=True))
         return record
@@ -347,3 +355,12 @@ class _QueueView:
     def put(self, entries: Iterable[QueueEntry]) -> None:
         for e in entries:
             self._entries[e.queue_id] = e
+
+    # a scan: a store in memory serves one process, not a fleet (SQLite and PostgreSQL read an index)
+    def expired(self, now: float) -> list[QueueEntry]:
+        return [e for e in self._entries.values() if e.status == QueueStatus.LEASED
+                and e.lease_expires is not None and e.lease_expires < now]
+
+    def held(self, runner: str, key: str) -> list[QueueEntry]:
+        return sorted((e for e in self._entries.values() if e.status == QueueStatus.LEASED and e.runner == runner
+                       and e.lease_key == key), key=lambda e: (e.created, e.attempt))

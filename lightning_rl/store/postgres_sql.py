@@ -221,9 +221,10 @@ def insert_quarantine(cur: Any, note: Quarantine) -> bool:
 
 
 def insert_policy(cur: Any, record: PolicyRecord) -> None:
-    cur.execute("INSERT INTO policies (served_name, version, adapter, time, trained_on) VALUES (%s, %s, %s, %s, %s)",
+    cur.execute("INSERT INTO policies (served_name, version, adapter, time, trained_on, served_as) "
+                "VALUES (%s, %s, %s, %s, %s, %s)",
                 (record.served_name, record.version, record.adapter, record.time,
-                 None if record.trained_on is None else orjson.dumps(record.trained_on).decode()))
+                 None if record.trained_on is None else orjson.dumps(record.trained_on).decode(), record.served_as))
 
 
 def insert_decision(cur: Any, record: PolicyDecision) -> None:
@@ -381,11 +382,11 @@ def query_policies(conn: Any, served_name: str | None, *, latest: bool = False) 
         where, params = ["served_name = %s"], [served_name]
     if latest:
         where.append("publish_id IN (SELECT max(publish_id) FROM policies GROUP BY served_name)")
-    sql = "SELECT served_name, version, adapter, time, trained_on FROM policies"
+    sql = "SELECT served_name, version, adapter, time, trained_on, served_as FROM policies"
     if where:
         sql += " WHERE " + " AND ".join(where)
-    return [PolicyRecord(served_name=n, version=v, adapter=a, time=t, trained_on=None if g is None else orjson.loads(g))
-            for n, v, a, t, g in _rows(conn, sql + " ORDER BY publish_id", params)]
+    return [PolicyRecord(served_name=n, version=v, adapter=a, time=t, trained_on=None if g is None else orjson.loads(g),
+                         served_as=s) for n, v, a, t, g, s in _rows(conn, sql + " ORDER BY publish_id", params)]
 
 
 def read_quarantine(conn: Any, limit: int) -> list[Any]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -48,6 +49,7 @@ from ..records import (
 )
 from ..settings import ENV_SPILL_DIR, Settings
 from . import checks, task_queue
+from . import postgres_queue as pgq
 from . import postgres_sql as sql
 from .durable import INGEST_CHUNK, DurableWrites
 from .erasure import delete_postgres, erased, rollout_id_list, vacuum_postgres
@@ -146,6 +148,9 @@ class PostgresStore:
         self._queue_size = queue_size or settings.queue_size
         self._give_up_after = give_up_after
         self._closed = False
+        self._bell = task_queue.Bell()  # rung by the LISTEN thread (postgres_queue.Listener)
+        self._listener: pgq.Listener | None = None
+        self._listen_lock = threading.Lock()
         self._open()
         track(self)
 
@@ -306,6 +311,9 @@ class PostgresStore:
         if self._closed:
             return
         self._closed = True
+        with self._listen_lock:
+            if self._listener is not None:
+                self._listener.close()
         if self._durable is not None:
             self._durable.close()
         if self._wconn is not None:
@@ -399,16 +407,20 @@ class PostgresStore:
         return list(dict.fromkeys(rid for _, rid in rows)), (rows[-1][0] if rows else after)
 
     # -- TaskQueue (atomic in the database, across every process that opens it) -----------------------
-    def _queue(self, lock: str | None = None, group: str | None = None) -> task_queue.Txn:
+    def _queue(self, lock: str | None = None, group: str | None = None, notify: bool = False) -> task_queue.Txn:
         """The queue's transactions, each on a view that locks as ``lock`` says (``postgres_sql.QueueView``);
-        ``group``: serialize with any other transaction queuing that group id."""
+        ``group``: serialize with any other transaction queuing that group id; ``notify``: wake every
+        process's waiting leases at commit (``postgres_queue.py``)."""
 
         def txn(fn: Callable[[Any], T]) -> T:
             def run(conn: Any) -> T:
                 if group is not None:
                     with conn.cursor() as cur:
                         cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_GROUPS, group))
-                return fn(sql.QueueView(conn, lock))
+                result = fn(sql.QueueView(conn, lock))
+                if notify:
+                    pgq.notify(conn, self.schema)
+                return result
 
             return self._txn(run, what="the task queue")
 
@@ -423,27 +435,39 @@ class PostgresStore:
             raise checks.read_only("enqueue", self.shown)
         if group_id is None:
             group_id, once = uuid.uuid4().hex, True
-        return task_queue.enqueue_in(self._queue(group=group_id if once else None), task, n=n, mode=mode,
+        return task_queue.enqueue_in(self._queue(group=group_id if once else None, notify=True), task, n=n, mode=mode,
                                      max_tries=max_tries, group_id=group_id, once=once, overrides=overrides)
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
-              key: str | None = None) -> list[QueueEntry]:
-        """As every store's; an expired try's rollout is marked ``timed_out`` in the lease's own transaction
-        (atomic with its retry: no process that dies in between can leave it running)."""
+              key: str | None = None, wait: float = 0.0) -> list[QueueEntry]:
+        """As every store's, in one statement on the database's clock (``postgres_queue.py``); an expired try's
+        rollout is marked ``timed_out`` in the lease's own transaction (atomic with its retry: no process that
+        dies in between can leave it running). ``wait``: woken by the database's NOTIFY of an enqueue."""
+        task_queue.check_lease(lease_seconds, limit)
         key = key or uuid.uuid4().hex
 
-        def run(view: sql.QueueView) -> list[QueueEntry]:
-            def expire(entry: QueueEntry, reason: str) -> None:
-                with view.conn.cursor() as cur:
-                    sql.expire_try(cur, task_queue.tombstone(entry, reason))
+        def lease_now() -> list[QueueEntry]:
+            return self._txn(lambda conn: pgq.lease(conn, self.schema, runner, lease_seconds, limit, key),
+                             what="the task queue")
 
-            return task_queue.lease(view, runner, lease_seconds, limit, time.time(), expire, key)
-
-        self.flush()  # this process's records first: an expiry never overtakes a try's own finish
-        return self._queue("skip")(run)
+        if not wait:
+            return lease_now()
+        task_queue.check_wait(wait)
+        with self._listen_lock:
+            if self._listener is None and not self._closed:
+                self._listener = pgq.Listener(self._connect, self.schema, self._bell, self.shown)
+        return task_queue.lease_waiting(lease_now, wait, self._bell)
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
-        return task_queue.heartbeat_in(self._queue("wait"), queue_id, runner, lease_seconds)
+        """Extends the lease from the database's clock, not this process's."""
+        task_queue.check_lease(lease_seconds, 1)
+
+        def beat(conn: Any) -> bool:
+            with conn.cursor() as cur:
+                cur.execute(pgq.HEARTBEAT, (float(lease_seconds), queue_id, runner))
+                return cur.rowcount > 0
+
+        return self._with(beat, what="the task queue")
 
     def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
         self.flush()  # the records written so far go first
@@ -457,10 +481,12 @@ class PostgresStore:
 
     # -- PolicyLog ----------------------------------------------------------------------------------
     def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
-                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
+                      time: float | None = None, trained_on: Sequence[str] | None = None,
+                      served_as: str | None = None) -> PolicyRecord:
         if self._durable is None:
             raise checks.read_only("record_policy", self.shown)
-        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on)
+        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on,
+                                      served_as=served_as)
 
         def insert(conn: Any) -> None:
             with conn.cursor() as cur:  # a retry after a lost commit finds its own record: kept once

@@ -116,9 +116,10 @@ class TaskQueue(Protocol):
         ...
 
     def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
-              key: str | None = None) -> list[QueueEntry]:
+              key: str | None = None, wait: float = 0.0) -> list[QueueEntry]:
         """Lease up to ``limit`` entries to ``runner`` (expired leases are re-issued). Asking again with the
-        same ``key`` returns what that request leased (a retry after a lost answer)."""
+        same ``key`` returns what that request leased (a retry after a lost answer). ``wait``: a long poll,
+        answering as soon as something can be leased, or empty after ``wait`` seconds."""
         ...
 
     def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool: ...
@@ -139,9 +140,11 @@ class TaskQueue(Protocol):
 @runtime_checkable
 class PolicyLog(Protocol):
     def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
-                      time: float | None = None, trained_on: Sequence[str] | None = None) -> PolicyRecord:
+                      time: float | None = None, trained_on: Sequence[str] | None = None,
+                      served_as: str | None = None) -> PolicyRecord:
         """Record a publish (trainers call it after the weights are live). Durable on return.
-        ``trained_on``: the group ids of the rollouts whose samples made this version (its lineage)."""
+        ``trained_on``: the group ids of the rollouts whose samples made this version (its lineage);
+        ``served_as``: the version's own name on every serving replica (``PolicyRecord.served_as``)."""
         ...
 
     def policies(self, served_name: str | None = None) -> list[PolicyRecord]:

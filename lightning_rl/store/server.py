@@ -13,9 +13,10 @@ durable: concurrent batches share the store's background writer, so they are com
   exist, to check a batch's references without a query) only ever holds ids already in the database. A
   client given several servers' URLs moves to the next when one fails (``http_store.py``).
 * Auth: ``Authorization: Bearer <token>`` on every route but ``/v1/health`` and ``/openapi.json``;
-  a token is required whenever the server binds to anything but loopback.
+  a token is required whenever the server binds to anything but loopback. Tokens have roles (``runner``,
+  ``reader``, ``admin``) and every route names the roles that may call it (``server_auth.py``).
 * Limits: request bodies over ``max_body_bytes`` get 413 before they are read in full.
-* Errors: 400 malformed JSON, 401 bad or missing token, 404 unknown rollout, 413 too large, 422
+* Errors: 400 malformed JSON, 401 bad or missing token, 403 a token without the route's role, 404 unknown rollout, 413 too large, 422
   invalid content (with every problem and its path), 503 the store cannot be written or read now (the
   database is away: the client retries elsewhere or spills). Nothing of a refused batch is written.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import hmac
 import json
 import multiprocessing
 import os
@@ -49,20 +49,22 @@ except ImportError as exc:  # the server is an extra; clients need only the core
         f"the store server needs FastAPI and uvicorn ({exc}); they come with lightning-rl: pip install fastapi uvicorn httptools (or reinstall lightning-rl)"
     ) from None
 from ..boundaries import INT64_MAX
-from ..diagnostics import counters
+from ..diagnostics import count, counters
 from ..records import QuarantinedRecord, Reward, Rollout, RolloutPage, RolloutQuery, Span
-from ..settings import ENV_SERVER_WORKER, check_synchronous
+from ..settings import ENV_SERVER_WORKER, ENV_STORE_TOKEN, check_synchronous
 from . import wire
 from ..serving import STORE_SERVER, BackgroundService, run
 from .protocols import Store
 from .queries import trajectory as assemble_trajectory
 from .server_routes import BODY_DEFS as _BODY_DEFS
+from .server_auth import SCOPE_ROLES, RouteRoles, Tokens, refusal, route_table
 from .server_routes import add_policy_routes, add_queue_routes
 from .server_routes import body_schema as _body_schema
 from .server_routes import json_response as _json
 
 DEFAULT_MAX_BODY = 64 * 2**20
-OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+OPEN_PATHS = frozenset({f"{wire.API_PREFIX}/health", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                        "/redoc"})  # the schema and its two HTML renderings are public
 _KNOWN_CACHE = 200_000
 _OP_TAGS = ("start_rollout", "span", "reward", "finish_rollout")
 
@@ -112,26 +114,23 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
 
 
 class _Guard:
-    """ASGI middleware: bearer token and body size, before any route reads the body."""
+    """ASGI middleware: bearer token, the role its route needs (``server_auth.py``) and body size, before any
+    route reads the body."""
 
-    def __init__(self, app: Any, token: str | None, max_body: int) -> None:
+    def __init__(self, app: Any, tokens: Tokens, routes: RouteRoles, max_body: int) -> None:
         self.app = app
-        self.token = token.encode() if token else None
+        self.tokens = tokens
+        self.routes = routes
         self.max_body = max_body
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.token is not None and scope["path"] not in OPEN_PATHS:
-            auth = headers.get(b"authorization", b"")
-            scheme, _, given = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
-                why = "missing" if not auth else "wrong"
-                resp = _problem(401, f"{why} bearer token; send 'Authorization: Bearer <token>' with the "
-                                     "server's token (LIGHTNING_RL_STORE_TOKEN)")
-                resp.headers["www-authenticate"] = "Bearer"
-                return await resp(scope, receive, send)
+        if self.tokens.enabled and scope["path"] not in OPEN_PATHS:
+            refused = self._refused(scope, headers)
+            if refused is not None:
+                return await refused(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -152,6 +151,24 @@ class _Guard:
             return message
 
         await self.app(scope, limited_receive, send)  # _TooBig raised while reading: handled by the app
+
+    def _refused(self, scope: dict, headers: dict) -> Response | None:
+        """401 for no token or one this server does not know; 403 for a token without the route's role."""
+        auth = headers.get(b"authorization", b"")
+        scheme, _, given = auth.partition(b" ")
+        roles = self.tokens.roles_of(given.strip()) if scheme.lower() == b"bearer" else None
+        if roles is None:
+            why = "missing" if not auth else "wrong"
+            resp = _problem(401, f"{why} bearer token; send 'Authorization: Bearer <token>' with a token of the "
+                                 f"server's ({ENV_STORE_TOKEN}, or one of its tokens file)")
+            resp.headers["www-authenticate"] = "Bearer"
+            return resp
+        allowed = self.routes.allowed(scope["method"], scope["path"])
+        if allowed is not None and not roles & allowed:
+            count("store_server_forbidden")
+            return _problem(403, refusal(scope["method"], scope["path"], roles, allowed))
+        scope[SCOPE_ROLES] = roles  # for a route whose rule depends on the body (server_auth.queue_listing_refused)
+        return None
 
     async def _too_big(self, scope: dict, receive: Any, send: Any) -> None:
         await _too_big_response(self.max_body)(scope, receive, send)
@@ -180,8 +197,10 @@ def _openapi_with_bodies(app: Any) -> Any:
     return openapi
 
 
-def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY) -> Any:
-    """The ASGI app serving ``store``. ``token``: required bearer token (None: no auth, loopback only)."""
+def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+               tokens_file: str | os.PathLike[str] | None = None) -> Any:
+    """The ASGI app serving ``store``. ``token``: the admin bearer token; ``tokens_file``: tokens with roles
+    (``server_auth.py``); neither: no auth (loopback only). Every route has a role (``server_auth.ROUTE_ROLES``)."""
     app = FastAPI(title="lightning-rl store", version=str(wire.API_PREFIX[2:]),
                   description="Rollouts, spans, rewards and the task queue of one lightning-rl store.")
     known: OrderedDict[str, None] = OrderedDict()  # rollout ids in the file (most recent last)
@@ -352,7 +371,7 @@ def create_app(store: Store, *, token: str | None = None, max_body_bytes: int = 
     add_queue_routes(app, store, p, body_of)
 
     app.openapi = _openapi_with_bodies(app)
-    return _Guard(app, token, max_body_bytes), app
+    return _Guard(app, Tokens(token, tokens_file), route_table(app, OPEN_PATHS), max_body_bytes), app
 
 
 
@@ -401,7 +420,8 @@ def _worker_app() -> Any:
     args = json.loads(os.environ[ENV_SERVER_WORKER])
     _tune_gc()
     store = served_store(args["db"], synchronous=args.get("synchronous"))
-    guarded, _ = create_app(store, token=args["token"], max_body_bytes=args["max_body_bytes"])
+    guarded, _ = create_app(store, token=args["token"], max_body_bytes=args["max_body_bytes"],
+                            tokens_file=args.get("tokens_file"))
     return guarded
 
 
@@ -414,7 +434,8 @@ def _tune_gc() -> None:
 
 def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY, log_level: str = "warning", workers: int = 2,
-          synchronous: str | None = None, announce: Callable[[], None] | None = None) -> None:
+          synchronous: str | None = None, announce: Callable[[], None] | None = None,
+          tokens_file: str | os.PathLike[str] | None = None) -> None:
     """Run the server until interrupted (SIGINT/SIGTERM); the store is flushed and closed on the way out.
 
     ``db``: a SQLite file, or ``postgresql://user@host:port/db[?schema=NAME]``. ``workers`` > 1 runs that
@@ -424,19 +445,24 @@ def serve(db: str, *, host: str = "127.0.0.1", port: int = 8765, token: str | No
 
     ``synchronous`` (SQLite only): ``full`` (the default) fsyncs each commit, so an acknowledged batch
     survives a power loss (group commit spreads the fsync over every batch in the transaction);
-    ``normal`` survives a killed server."""
+    ``normal`` survives a killed server.
+
+    ``token``: the admin token; ``tokens_file``: tokens with roles, re-read when it changes (``server_auth.py``)."""
     from ..serving import check_bind
     from .uri import store_kind
 
-    check_bind(STORE_SERVER, host, token)  # before the store is touched
+    tokens_file = os.path.abspath(tokens_file) if tokens_file else None
+    Tokens(token, tokens_file)  # a bad tokens file is refused before the store is touched
+    secured = token or tokens_file  # check_bind asks only whether clients must authenticate
+    check_bind(STORE_SERVER, host, secured)  # before the store is touched
     if store_kind(db) == "sqlite":
         synchronous = check_synchronous(synchronous or "full")
     elif synchronous is not None:
         check_synchronous(synchronous)
     served_store(db, synchronous=synchronous).close()  # create and migrate once, refusing foreign stores
     os.environ[ENV_SERVER_WORKER] = json.dumps({"db": os.fspath(db), "token": token, "max_body_bytes": max_body_bytes,
-                                                "synchronous": synchronous})
-    run(STORE_SERVER, f"{__name__}:_worker_app", host=host, port=port, token=token, log_level=log_level,
+                                                "synchronous": synchronous, "tokens_file": tokens_file})
+    run(STORE_SERVER, f"{__name__}:_worker_app", host=host, port=port, token=secured, log_level=log_level,
         announce=announce, factory=True, workers=workers, timeout_graceful_shutdown=10)
 
 
@@ -448,13 +474,16 @@ class BackgroundServer(BackgroundService):
 
     def __init__(self, db: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
-                 store_options: dict[str, Any] | None = None) -> None:
+                 store_options: dict[str, Any] | None = None,
+                 tokens_file: str | os.PathLike[str] | None = None) -> None:
         from ..serving import check_bind
 
-        check_bind(STORE_SERVER, host, token)  # before the store is opened
+        Tokens(token, tokens_file)  # a bad tokens file is refused before the store is opened
+        secured = token or (os.fspath(tokens_file) if tokens_file else None)
+        check_bind(STORE_SERVER, host, secured)  # before the store is opened
         self.store = served_store(db, **(store_options or {}))
-        guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes)
-        super().__init__(STORE_SERVER, guarded, host=host, port=port, token=token)
+        guarded, self.app = create_app(self.store, token=token, max_body_bytes=max_body_bytes, tokens_file=tokens_file)
+        super().__init__(STORE_SERVER, guarded, host=host, port=port, token=secured)
 
     def close(self) -> None:
         self.store.close()

@@ -12,10 +12,14 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..diagnostics import count
 from ..records import PolicyDecision, PolicyRecord, QueueEntry
 from . import wire
 from .protocols import Store
+from .server_auth import queue_listing_refused
 
+#: how many waiting lease requests one server holds at once (each a blocked thread; more queue for a thread)
+LEASE_WAITERS = 512
 #: the request bodies of routes that parse their raw body themselves, for the OpenAPI document
 BODY_DEFS: dict[str, Any] = {}
 BodyOf = Callable[[Request, type], Awaitable[Any]]
@@ -47,7 +51,8 @@ def add_policy_routes(app: Any, store: Store, p: str, body_of: BodyOf) -> None:
         """Record a publish (durable on return); every process stamps its LLM calls from these."""
         data = await body_of(request, wire.PolicyIn)
         record = await anyio.to_thread.run_sync(lambda: store.record_policy(
-            data.served_name, data.version, adapter=data.adapter, time=data.time, trained_on=data.trained_on))
+            data.served_name, data.version, adapter=data.adapter, time=data.time, trained_on=data.trained_on,
+            served_as=data.served_as))
         return json_response(policy_json(record))
 
     @app.post(f"{p}/decisions", response_model=PolicyDecision, openapi_extra=body_schema(wire.DecisionIn))
@@ -94,11 +99,20 @@ def add_queue_routes(app: Any, store: Store, p: str, body_of: BodyOf) -> None:
             overrides=data.overrides))
         return json_response([wire.queue_entry_json(e) for e in entries])
 
+    waiting: list[anyio.CapacityLimiter] = []  # made on the first waiting lease (it needs the running loop)
+
     @app.post(f"{p}/queue/lease", response_model=list[QueueEntry], openapi_extra=body_schema(wire.LeaseIn))
     async def lease(request: Request) -> Response:
+        """Lease tries; ``wait``: a long poll, held at most ``wire.MAX_LEASE_WAIT`` seconds, on threads of its
+        own (a server full of idle runners' waits still answers every other request at once)."""
         data = await body_of(request, wire.LeaseIn)
+        count("store_server_lease_requests")  # the requests idle runners send (``GET /v1/stats``)
+        wait = min(data.wait, wire.MAX_LEASE_WAIT)
+        if wait and not waiting:
+            waiting.append(anyio.CapacityLimiter(LEASE_WAITERS))
         entries = await anyio.to_thread.run_sync(lambda: store.lease(
-            data.runner, lease_seconds=data.lease_seconds, limit=data.limit, key=data.key))
+            data.runner, lease_seconds=data.lease_seconds, limit=data.limit, key=data.key, wait=wait),
+            limiter=waiting[0] if wait else None)
         return json_response([wire.queue_entry_json(e) for e in entries])
 
     @app.post(f"{p}/queue/heartbeat", response_model=wire.Ok, openapi_extra=body_schema(wire.HeartbeatIn))
@@ -117,5 +131,9 @@ def add_queue_routes(app: Any, store: Store, p: str, body_of: BodyOf) -> None:
     @app.post(f"{p}/queue/entries", response_model=list[QueueEntry], openapi_extra=body_schema(wire.GroupsIn))
     async def queue_entries(request: Request) -> Response:
         data = await body_of(request, wire.GroupsIn)
+        refused = queue_listing_refused(request.scope, data.group_ids)  # a runner names its groups
+        if refused is not None:
+            count("store_server_forbidden")
+            return json_response({"error": refused, "details": []}, 403)
         entries = await anyio.to_thread.run_sync(lambda: store.queue_entries(data.group_ids))
         return json_response([wire.queue_entry_json(e) for e in entries])

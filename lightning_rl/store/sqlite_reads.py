@@ -164,12 +164,12 @@ def query_policies(conn: sqlite3.Connection, served_name: str | None, *, latest:
         where, params = ["served_name = ?"], [served_name]
     if latest:
         where.append("publish_id IN (SELECT max(publish_id) FROM policies GROUP BY served_name)")
-    sql = "SELECT served_name, version, adapter, time, trained_on FROM policies"
+    sql = "SELECT served_name, version, adapter, time, trained_on, served_as FROM policies"
     if where:
         sql += " WHERE " + " AND ".join(where)
     rows = conn.execute(sql + " ORDER BY publish_id", params).fetchall()
-    return [PolicyRecord(served_name=n, version=v, adapter=a, time=t, trained_on=None if g is None else orjson.loads(g))
-            for n, v, a, t, g in rows]
+    return [PolicyRecord(served_name=n, version=v, adapter=a, time=t, trained_on=None if g is None else orjson.loads(g),
+                         served_as=s) for n, v, a, t, g, s in rows]
 
 
 def query_decisions(conn: sqlite3.Connection, served_name: str | None, *, latest: bool = False) -> list[PolicyDecision]:

@@ -121,9 +121,10 @@ def apply_ops(conn: sqlite3.Connection, ops: Iterable[Op], sharer: PrefixSharer)
 
 
 def insert_policy(conn: sqlite3.Connection, record: PolicyRecord) -> None:
-    conn.execute("INSERT INTO policies (served_name, version, adapter, time, trained_on) VALUES (?, ?, ?, ?, ?)",
+    conn.execute("INSERT INTO policies (served_name, version, adapter, time, trained_on, served_as) "
+                 "VALUES (?, ?, ?, ?, ?, ?)",
                  (record.served_name, record.version, record.adapter, record.time,
-                  None if record.trained_on is None else orjson.dumps(record.trained_on).decode()))
+                  None if record.trained_on is None else orjson.dumps(record.trained_on).decode(), record.served_as))
 
 
 def insert_decision(conn: sqlite3.Connection, record: PolicyDecision) -> None:
@@ -160,3 +161,21 @@ class QueueView:
             self.conn.executemany(
                 f"INSERT OR REPLACE INTO queue ({', '.join(QUEUE_COLUMNS)}) VALUES ({', '.join('?' * len(QUEUE_COLUMNS))})",
                 rows)
+
+    # on the indexes of migration 14: the rows asked for only, however many are leased
+    def expired(self, now: float) -> list[QueueEntry]:
+        return [queue_from_values(r) for r in self.conn.execute(
+            f"SELECT {', '.join(QUEUE_COLUMNS)} FROM queue WHERE status = 'leased' AND lease_expires < ? "
+            "ORDER BY lease_expires", (now,)).fetchall()]
+
+    def held(self, runner: str, key: str) -> list[QueueEntry]:
+        # sorted here: an ORDER BY would have SQLite walk (status, created, attempt) over every leased row
+        return sorted((queue_from_values(r) for r in self.conn.execute(
+            f"SELECT {', '.join(QUEUE_COLUMNS)} FROM queue WHERE status = 'leased' AND runner = ? AND lease_key = ?",
+            (runner, key)).fetchall()), key=lambda e: (e.created, e.attempt))
+
+
+def queue_ready(conn: sqlite3.Connection, now: float) -> bool:
+    """Is there a try to lease (queued, or leased with its lease run out)? Two index lookups, no lock."""
+    return conn.execute("SELECT EXISTS (SELECT 1 FROM queue WHERE status = 'queued') OR EXISTS (SELECT 1 FROM queue "
+                        "WHERE status = 'leased' AND lease_expires < ?)", (now,)).fetchone()[0] == 1

@@ -17,6 +17,14 @@ Rules:
   keeps the runner that completed it, so that runner repeating the same outcome (a retry after a lost
   answer) is told yes again.
 * ``queries.wait_for_groups(store, group_ids)`` waits until every entry of those groups is done.
+* The cost of a lease does not grow with the work in flight: the expiry sweep reads only the leased
+  entries whose lease ran out (``QueueView.expired``, an index on leased rows' expiry) and a retried
+  request's entries are found by runner and key (``QueueView.held``), never by reading every leased row.
+* Clocks: a lease's expiry is set and swept on one clock per store, never the leasing process's: the
+  database's on PostgreSQL, the clock of the process that holds the store on SQLite and memory (the
+  store server's, for runners that reach it over HTTP). A runner's clock may be off by hours.
+* ``lease(..., wait=seconds)`` is a long poll: it answers as soon as a try can be leased, or empty after
+  ``wait`` (:func:`lease_waiting`; a :class:`Bell` rung by enqueues in this process, or by the database).
 
 A store that holds its queue itself (SQLite, memory) runs these rules inside one transaction of its
 own (``txn(fn)``: ``fn(view)`` atomically): its ``enqueue``, ``lease``, ... are a line each over the
@@ -25,6 +33,7 @@ functions at the end of this module.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -46,6 +55,10 @@ class QueueView(Protocol):
 
     def put(self, entries: Iterable[QueueEntry]) -> None: ...  # insert or replace
 
+    def expired(self, now: float) -> list[QueueEntry]: ...  # leased entries whose lease ran out before now
+
+    def held(self, runner: str, key: str) -> list[QueueEntry]: ...  # leased to runner by the request key
+
 
 def new_group(task: Any, n: int, *, mode: str | Mode = Mode.TRAIN, max_tries: int = 3,
               group_id: str | None = None, overrides: dict[str, Any] | None = None) -> list[QueueEntry]:
@@ -58,35 +71,31 @@ def new_group(task: Any, n: int, *, mode: str | Mode = Mode.TRAIN, max_tries: in
 
 def lease(view: QueueView, runner: str, lease_seconds: float, limit: int, now: float,
           expire_rollout: Callable[[QueueEntry, str], None], key: str | None = None) -> list[QueueEntry]:
-    out: list[QueueEntry] = []
-    changed: list[QueueEntry] = []
-    held = view.select(status=[QueueStatus.LEASED])
+    """The rules of a lease on one view (module doc); reads the expired and the asked-for entries only."""
     if key is not None:
-        again = [e.model_copy(update={"lease_expires": now + lease_seconds})
-                 for e in held if e.runner == runner and e.lease_key == key]
+        again = [e.model_copy(update={"lease_expires": now + lease_seconds}) for e in view.held(runner, key)]
         if again:  # this request was answered before and the answer lost: the same entries, no new try
             view.put(again)
             return again
-    for entry in held:
-        if entry.lease_expires is not None and entry.lease_expires < now:
-            if entry.rollout_id:
-                expire_rollout(entry, f"lease of runner {entry.runner!r} expired")
-            if entry.tries >= entry.max_tries:
-                entry = entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus.TIMED_OUT,
-                                                 "runner": None, "lease_expires": None})
-            else:
-                entry = entry.model_copy(update={"status": QueueStatus.QUEUED, "runner": None, "lease_expires": None,
-                                                 "lease_key": None})
-            changed.append(entry)
-    view.put(changed)
-    for entry in view.select(status=[QueueStatus.QUEUED], limit=limit):
-        leased = entry.model_copy(update={
-            "status": QueueStatus.LEASED, "runner": runner, "lease_expires": now + lease_seconds,
-            "tries": entry.tries + 1, "rollout_id": uuid.uuid4().hex, "lease_key": key,
-        })
-        out.append(leased)
+    view.put([expire(entry, expire_rollout) for entry in view.expired(now)])
+    out = [entry.model_copy(update={
+        "status": QueueStatus.LEASED, "runner": runner, "lease_expires": now + lease_seconds,
+        "tries": entry.tries + 1, "rollout_id": uuid.uuid4().hex, "lease_key": key,
+    }) for entry in view.select(status=[QueueStatus.QUEUED], limit=limit)]
     view.put(out)
     return out
+
+
+def expire(entry: QueueEntry, expire_rollout: Callable[[QueueEntry, str], None]) -> QueueEntry:
+    """An entry whose lease ran out: its try's rollout is marked (``expire_rollout``) and it is queued again,
+    or done ``timed_out`` after ``max_tries``."""
+    if entry.rollout_id:
+        expire_rollout(entry, f"lease of runner {entry.runner!r} expired")
+    if entry.tries >= entry.max_tries:
+        return entry.model_copy(update={"status": QueueStatus.DONE, "outcome": RolloutStatus.TIMED_OUT,
+                                        "runner": None, "lease_expires": None})
+    return entry.model_copy(update={"status": QueueStatus.QUEUED, "runner": None, "lease_expires": None,
+                                    "lease_key": None})
 
 
 def _held(view: QueueView, queue_id: str, runner: str) -> QueueEntry | None:
@@ -123,6 +132,62 @@ def wait_until(check: Callable[[], T], done: Callable[[T], bool], timeout: float
     return value
 
 
+#: the longest one lease may wait (a store server caps a request's wait lower, under its clients' timeouts)
+MAX_WAIT = 300.0
+#: how often a waiting lease tries again although nothing rang: an expired lease, a missed signal
+RECHECK = 1.0
+
+
+def check_wait(wait: float) -> float:
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
+        raise ConfigurationError(f"a lease waits 0 to {MAX_WAIT:.0f} seconds, got wait={wait!r}; "
+                                 "give e.g. wait=5 (0: answer at once)")
+    return float(wait)
+
+
+class Bell:
+    """Rung when the queue may have a try to lease (an enqueue, a re-queue); a waiting lease sleeps on it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rings = 0
+
+    def rings(self) -> int:
+        return self._rings
+
+    def ring(self) -> None:
+        with self._cond:
+            self._rings += 1
+            self._cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> bool:
+        """True once rung after ``seen`` (:meth:`rings`), False after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._rings != seen, max(timeout, 0.0))
+
+
+def lease_waiting(lease_now: Callable[[], list[QueueEntry]], wait: float, bell: Bell,
+                  probe: Callable[[], bool] | None = None) -> list[QueueEntry]:
+    """``lease_now()`` until it leases something or ``wait`` seconds pass. Between tries it sleeps on
+    ``bell`` (rung in this process), at most :data:`RECHECK` seconds; ``probe`` (a cheap read: is there
+    anything to lease, from another process?) is asked with a back-off from 5 to 50 ms meanwhile."""
+    deadline = time.monotonic() + check_wait(wait)
+    step = 0.005
+    while True:
+        seen = bell.rings()
+        got = lease_now()
+        now = time.monotonic()
+        if got or now >= deadline:
+            return got
+        until = min(deadline, now + RECHECK)
+        while (left := until - time.monotonic()) > 0:
+            if bell.wait(seen, min(step, left) if probe is not None else left):
+                break
+            if probe is not None and probe():
+                break
+            step = min(step * 2, 0.05)
+
+
 def tombstone(entry: QueueEntry, reason: str) -> Rollout:
     """The rollout row of an expired try that never started: ``timed_out`` at once, so a late start
     cannot bring it back as a success outside the queue."""
@@ -151,18 +216,28 @@ def enqueue_in(txn: Txn, task: Any, *, n: int, mode: str, max_tries: int, group_
 
 def lease_in(txn: Txn, runner: str, *, lease_seconds: float, limit: int, key: str | None,
              expire_rollout: Callable[[QueueEntry, str], None], flush: Callable[[], object]) -> list[QueueEntry]:
-    """:func:`lease` in one transaction; the expired tries' rollouts are marked (``expire_rollout``) and
-    flushed before the answer, so they read ``timed_out`` by the time their retries are handed out."""
+    """:func:`lease` in one transaction, on this process's clock; the expired tries' rollouts are marked
+    (``expire_rollout``) and flushed before the answer, so they read ``timed_out`` by the time their
+    retries are handed out."""
+    check_lease(lease_seconds, limit)
     expired: list[QueueEntry] = []
 
-    def expire(entry: QueueEntry, reason: str) -> None:
+    def mark(entry: QueueEntry, reason: str) -> None:
         expire_rollout(entry, reason)
         expired.append(entry)
 
-    leased = txn(lambda view: lease(view, runner, lease_seconds, limit, time.time(), expire, key))
+    leased = txn(lambda view: lease(view, runner, lease_seconds, limit, time.time(), mark, key))
     if expired:
         flush()
     return leased
+
+
+def check_lease(lease_seconds: float, limit: int) -> None:
+    if not isinstance(lease_seconds, (int, float)) or isinstance(lease_seconds, bool) or not lease_seconds > 0:
+        raise ConfigurationError(f"a lease lasts more than 0 seconds, got lease_seconds={lease_seconds!r}; "
+                                 "give e.g. lease_seconds=60")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ConfigurationError(f"a lease takes at least one try, got limit={limit!r}; give e.g. limit=1")
 
 
 def heartbeat_in(txn: Txn, queue_id: str, runner: str, lease_seconds: float) -> bool:

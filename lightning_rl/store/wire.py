@@ -161,6 +161,13 @@ class LeaseIn(_Wire):
     lease_seconds: float = Field(60.0, gt=0, le=86_400)
     limit: int = Field(1, ge=1, le=1000)
     key: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)  # retries of one request reuse it
+    #: a long poll: answer as soon as a try can be leased, or empty after this many seconds (the server
+    #: caps it at ``MAX_LEASE_WAIT``); sent only when above 0, so an older server takes the rest
+    wait: float = Field(0.0, ge=0, le=300)
+
+
+#: the longest a store server holds a lease request open (under every client's read timeout)
+MAX_LEASE_WAIT = 20.0
 
 
 class HeartbeatIn(_Wire):
@@ -202,6 +209,7 @@ class PolicyIn(_Wire):
     # Lineage: the group ids this version was trained on, in batch order.
     trained_on: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] | None = Field(
         None, max_length=100_000)
+    served_as: str | None = Field(None, min_length=1, max_length=256)  # the version's own name on every replica
 
 
 class RewardedSince(_Wire):

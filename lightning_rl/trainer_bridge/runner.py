@@ -35,17 +35,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..diagnostics import count, report_failure
-from ..errors import LightningRLError
+from ..errors import ConfigurationError, LightningRLError
 from ..records import QueueEntry, RolloutStatus
 from ..store.protocols import Store
 from ..store.queries import wait_for_groups
+from ..store.task_queue import check_wait
 from ..tracer import rollout_overrides
 
 
 class Runner:
     def __init__(self, store: Store, agent: Callable[[Any], Any], *, runner_id: str | None = None,
                  concurrency: int = 8, lease_seconds: float = 60.0, rollout_timeout: float | None = 120.0,
-                 poll: float = 0.05, loop: asyncio.Runner | LoopThread | None = None) -> None:
+                 poll: float = 0.05, wait: float = 5.0, loop: asyncio.Runner | LoopThread | None = None) -> None:
+        if not isinstance(poll, (int, float)) or isinstance(poll, bool) or not poll > 0:
+            raise ConfigurationError(f"poll is the pause between lease requests in seconds, got poll={poll!r}; "
+                                     "give e.g. poll=0.05")
         self.store = store
         self.agent = agent
         self.runner_id = runner_id or f"runner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -53,6 +57,10 @@ class Runner:
         self.lease_seconds = lease_seconds
         self.rollout_timeout = rollout_timeout
         self.poll = poll
+        #: the longest one lease request waits in the store for a try (a long poll; 0: ask every ``poll`` s)
+        self.wait = check_wait(wait)
+        self._backoff = 0.0  # the pause after a failed lease, doubled up to 10 s while the store is away
+        self._waits = True  # False for a store whose lease takes no ``wait``
         self.is_async = inspect.iscoroutinefunction(agent)
         self._aio: asyncio.Runner | None = loop
         self._owns_loop = loop is None
@@ -73,8 +81,8 @@ class Runner:
         async def groups_done() -> bool:  # others' leases may still expire and come back
             return await self._store_call(wait_for_groups, self.store, groups, timeout=0)
 
-        self._stopping = False
-        self._run(self._drive(groups_done, on_done=on_done))
+        self._stopping = False  # short waits: the groups' last try may be another runner's, then done
+        self._run(self._drive(groups_done, on_done=on_done, wait=min(self.wait, 0.25)))
 
     def serve(self, *, idle_exit: float | None = None, max_rollouts: int | None = None) -> int:
         """Lease and run tries from the whole queue until stopped (SIGTERM/SIGINT), idle for
@@ -85,7 +93,8 @@ class Runner:
             return idle_exit is not None and time.monotonic() - self._last_busy >= idle_exit
 
         self._stopping = False
-        return self._run(self._drive(idle_long_enough, max_rollouts=max_rollouts))
+        wait = self.wait if idle_exit is None else min(self.wait, max(idle_exit / 2, 0.0))
+        return self._run(self._drive(idle_long_enough, max_rollouts=max_rollouts, wait=wait))
 
     def stop(self) -> None:
         """Lease nothing more; the tries in hand finish, then ``serve`` (or ``work``) returns."""
@@ -109,41 +118,70 @@ class Runner:
         return await asyncio.get_running_loop().run_in_executor(self._store_pool, lambda: fn(*args, **kwargs))
 
     async def _drive(self, idle_done: Callable[[], Any], *, max_rollouts: int | None = None,
-                     on_done: Callable[[QueueEntry, str], None] | None = None) -> int:
-        """The one lease-and-run loop. When nothing runs, ``await idle_done()`` True ends it.
+                     on_done: Callable[[QueueEntry, str], None] | None = None, wait: float | None = None) -> int:
+        """The one lease-and-run loop. When nothing runs, ``await idle_done()`` True ends it. A lease is
+        asked for whenever a slot is free and runs beside the tries in hand: with ``wait`` it waits in the
+        store (a long poll) and answers the moment a try is queued; without, it asks every ``poll`` seconds.
         Returns how many tries ran."""
         running: set[asyncio.Task] = set()
+        leasing: asyncio.Task | None = None
+        asked = 0.0
         ran = 0
         self._last_busy = time.monotonic()
+        # a try's lease runs from (at the latest) the moment we asked: a wait well under the lease leaves it time
+        wait = min(self.wait if wait is None else wait, self.lease_seconds / 4)
         while True:
             free = self.concurrency - len(running)
             if max_rollouts is not None:
                 free = min(free, max_rollouts - ran - len(running))
-            if free > 0 and not self._stopping:
-                asked = time.monotonic()  # the lease runs from (at the latest) the moment we asked
-                for entry in await self._lease(free):
-                    running.add(asyncio.create_task(self._run_one(entry, asked, on_done)))
+            if leasing is None and free > 0 and not self._stopping:
+                if not running and await idle_done():
+                    return ran
+                asked = time.monotonic()
+                leasing = asyncio.create_task(self._lease(free, wait))
             if running:
                 self._last_busy = time.monotonic()
-                done, pending = await asyncio.wait(running, timeout=self.poll, return_when=asyncio.FIRST_COMPLETED)
-                running = set(pending)
-                ran += len(done)
-                for task in done:
-                    if task.exception() is not None:
-                        report_failure("runner task", task.exception())
-                continue
-            if self._stopping or (max_rollouts is not None and ran >= max_rollouts) or await idle_done():
-                return ran
-            await asyncio.sleep(self.poll)
+            if leasing is None and not running:
+                return ran  # stopped, or max_rollouts ran
+            done, _ = await asyncio.wait(running | ({leasing} if leasing else set()), timeout=self.poll,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if leasing is not None and leasing.done():  # what it got runs, even after stop(): it is ours now
+                for entry in leasing.result():
+                    running.add(asyncio.create_task(self._run_one(entry, asked, on_done)))
+                leasing = None
+            for task in done & running:
+                running.discard(task)
+                ran += 1
+                if task.exception() is not None:
+                    report_failure("runner task", task.exception())
 
-    async def _lease(self, limit: int) -> list[QueueEntry]:
+    async def _lease(self, limit: int, wait: float) -> list[QueueEntry]:
         try:
-            return await self._store_call(self.store.lease, self.runner_id, lease_seconds=self.lease_seconds,
-                                          limit=limit)
-        except LightningRLError as exc:  # the store is away (a server restart): wait, then try again
+            if wait > 0 and self._waits:
+                try:
+                    got = await self._store_call(self.store.lease, self.runner_id, lease_seconds=self.lease_seconds,
+                                                 limit=limit, wait=wait)
+                except TypeError as exc:  # a store of the user's, from before long polls: it is polled
+                    if "wait" not in str(exc):
+                        raise
+                    self._waits = False
+                    count("runner_store_without_wait")
+                    return []
+            else:  # any store, the ones before long polls too
+                got = await self._store_call(self.store.lease, self.runner_id, lease_seconds=self.lease_seconds,
+                                             limit=limit)
+        except ConfigurationError:  # a setting to fix (a token without the runner role: 403): retrying cannot help
+            raise
+        except LightningRLError as exc:  # the store is away (a server restart): wait longer each time, then again
             report_failure("runner lease", exc)
-            await asyncio.sleep(1.0)
+            count("runner_lease_errors")
+            self._backoff = min(max(self._backoff * 2, 0.5), 10.0)
+            await asyncio.sleep(self._backoff)
             return []
+        self._backoff = 0.0
+        if not got and (wait <= 0 or not self._waits):
+            await asyncio.sleep(self.poll)
+        return got
 
     def close(self) -> None:
         if self._aio is not None and self._owns_loop:
@@ -249,6 +287,8 @@ class Runner:
             try:
                 await self._store_call(self.store.complete, entry.queue_id, self.runner_id, outcome)
                 return
+            except ConfigurationError:  # refused (403), not away: the lease expires and another runner retries
+                raise
             except LightningRLError as exc:
                 report_failure("runner complete", exc)
                 if time.monotonic() >= deadline:

@@ -33,6 +33,17 @@ def test_publishes_are_recorded_and_the_latest_one_is_live(store):
     assert store.latest_policies()["critic"].time == 15.0
 
 
+def test_a_publish_keeps_the_versioned_name_every_replica_serves_it_under(store):
+    store.record_policy("policy", 4, adapter="/adapters/v00004", time=10.0)
+    store.record_policy("policy", 5, adapter="/adapters/v00005", time=20.0, served_as="policy@v5")
+    assert [p.served_as for p in store.policies("policy")] == [None, "policy@v5"]
+    assert store.latest_policies()["policy"].served_as == "policy@v5"
+    for bad in ("policy", "", 5):  # the stable name itself, nothing, not a name
+        with pytest.raises(ConfigurationError, match="served_as must be the version's own served name"):
+            store.record_policy("policy", 6, served_as=bad)
+    assert store.latest_policies()["policy"].version == 5
+
+
 @pytest.mark.parametrize("name, version, fix", [("", 1, "served_name"), ("policy", -1, "an int >= 0"),
                                                  ("policy", True, "an int >= 0"), (None, 1, "served_name")])
 def test_a_bad_publish_is_refused_by_name(store, name, version, fix):

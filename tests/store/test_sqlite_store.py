@@ -281,7 +281,7 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
         (held,) = store.queue_entries(["g1"])  # a lease from before lease keys: read, and completed as before
         assert held.lease_key is None and store.complete("q1", "r-a", "succeeded")
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 13
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 15
     conn.close()
 
 
@@ -307,7 +307,7 @@ def test_a_schema_6_file_is_upgraded_and_its_publishes_have_no_lineage(tmp_path)
         store.record_policy("policy", 2, time=3.0, trained_on=["g-2", "g-1"])
         assert store.latest_policies()["policy"].trained_on == ["g-2", "g-1"]
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 13
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 15
     columns = {r[1]: (r[2], r[3]) for r in conn.execute("PRAGMA table_info(policies)")}
     assert columns["trained_on"] == ("TEXT", 0)  # nullable text: a JSON list of group ids
     assert conn.execute("SELECT trained_on FROM policies ORDER BY publish_id").fetchall() == [
@@ -341,7 +341,7 @@ def test_a_schema_7_file_gets_rollout_origins(tmp_path):
         assert store.get_rollout("r-old").origin is None
         assert store.get_rollout("r-new").origin == "gateway"
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 13
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == latest_version() == 15
     indexes = {r[1] for r in conn.execute("PRAGMA index_list(rollouts)")}
     assert {"rollouts_start", "rollouts_status_start"} <= indexes
     plan = " ".join(r[3] for r in conn.execute(
