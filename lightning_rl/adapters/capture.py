@@ -142,6 +142,12 @@ class CapturedCall:
         self.canary = tracing.canary(state.mode, state.rollout_id, request.get("model"))
         if self.canary is not None:  # a production call on canary: sent to the candidate's name (canary.py)
             extra["model"] = self.canary.candidate
+            self.served_as = None
+        else:  # the live version's own name on every replica (trainer_bridge/replicas.py), stamped with it
+            self.served_as = tracing.served_as(request.get("model"))
+        asked = request.get("model")
+        if self.served_as is not None:
+            extra["model"] = self.served_as[0]
         request = {**request, **extra} if extra else request
         self.server = server.key
         self.injected: tuple[str, ...] = ()
@@ -162,8 +168,10 @@ class CapturedCall:
         self.index = state.next_llm_call()
         hint = _llm_hint.get()
         self.agent = (hint.agent if hint is not None else None) or current_agent_name()
-        self.model = request.get("model")
-        self.version = self.canary.version if self.canary is not None else tracing.policy_version(self.model)
+        # the name asked for (samples are routed to policies by it); a versioned name answers (response model)
+        self.model = asked if self.served_as is not None else request.get("model")
+        self.version = (self.canary.version if self.canary is not None else self.served_as[1]
+                        if self.served_as is not None else tracing.policy_version(self.model))
         self.done = False
         self.streamed = False
         self.choices: dict[int, _Choice] = {}
@@ -366,7 +374,8 @@ class CapturedCall:
                 common[semconv.INCOMPLETE] = True
             if self.streamed:
                 common[semconv.STREAMED] = True
-            version_end = self.version if self.canary is not None else tracing.policy_version(self.model)
+            exact = self.canary is not None or self.served_as is not None  # sent to one version's own name
+            version_end = self.version if exact else tracing.policy_version(self.model)
             if version_end != self.version:  # a publish landed while the call ran
                 common[semconv.POLICY_VERSION_END] = version_end
             indices = sorted(self.choices) or [0]

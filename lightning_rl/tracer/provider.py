@@ -145,7 +145,10 @@ class Tracing:
         # name -> (version, when it was learned); None is the default for names never published.
         self._policy_versions: dict[str | None, int] = {None: self.settings.policy_version}
         self._set_at: dict[str | None, float] = {}
-        self._published: dict[str, tuple[int, float]] = {}  # the store's latest publish: (version, time)
+        # the store's latest publish of each name: (version, time, served_as: its versioned name or None)
+        self._published: dict[str, tuple[int, float, str | None]] = {}
+        # name -> (its versioned name, version) as this process published it (set_policy_version); one tuple: atomic
+        self._served_as: dict[str | None, tuple[str, int] | None] = {}
         self._published_at = float("-inf")
         self._canaries: dict[str, Canary] = {}  # the candidates on canary, by the live name (canary.py)
         self._refreshing: threading.Thread | None = None
@@ -266,15 +269,18 @@ class Tracing:
     # A version set in this process (its own publish) holds until the store records a later publish
     # of that name; every process reads the store's publishes, so runner processes, Ray actors and
     # agents behind the gateway stamp the same versions as the trainer that published them.
-    def set_policy_version(self, version: int, model: str | None = None) -> None:
+    def set_policy_version(self, version: int, model: str | None = None, *, served_as: str | None = None) -> None:
+        """``model`` answers with ``version`` from now on in this process; ``served_as``: the versioned name
+        every replica serves it under (traced calls are sent there, ``served_as``)."""
         check_int(version, "policy version")
+        self._served_as[model] = None if served_as is None else (served_as, version)
         self._policy_versions[model] = version
         self._set_at[model] = time.time()
 
     def reset_policy_versions(self, default: int = 0) -> None:
         """Forget every version this process set or read (tests; a new run in the same process)."""
         with self._lock:
-            self._policy_versions, self._set_at = {None: default}, {}
+            self._policy_versions, self._set_at, self._served_as = {None: default}, {}, {}
             self._published, self._published_at = {}, float("-inf")
             self._canaries = {}
 
@@ -292,7 +298,19 @@ class Tracing:
             return published[model][0]
         return local.get(model, local[None])
 
-    def _store_versions(self) -> dict[str, tuple[int, float]]:
+    def served_as(self, model: Any) -> tuple[str, int] | None:
+        """Where a traced call for ``model`` (a served name) goes instead, and the version it is stamped with:
+        the live publish's versioned name when it has one (``trainer_bridge/replicas.py``: every replica
+        serves it, so the version is the one that answers), else None (the call goes as asked). The same
+        rule as ``policy_version`` picks between this process's own publish and the store's."""
+        if not isinstance(model, str):
+            return None
+        published = self._store_versions().get(model)
+        if published is not None and published[1] >= self._set_at.get(model, 0.0):
+            return None if published[2] is None else (published[2], published[0])
+        return self._served_as.get(model)
+
+    def _store_versions(self) -> dict[str, tuple[int, float, str | None]]:
         """The store's publishes, refreshed in the background at most every ``policy_refresh``
         seconds. Only the first read in a process waits, and for at most half a second."""
         now = time.monotonic()
@@ -318,7 +336,8 @@ class Tracing:
     def _refresh(self, sink: Any) -> None:
         asked = time.monotonic()
         try:
-            self._published = {name: (p.version, p.time) for name, p in sink.latest_policies().items()}
+            self._published = {name: (p.version, p.time, getattr(p, "served_as", None))
+                               for name, p in sink.latest_policies().items()}
         except Exception as exc:
             report_failure("reading published policy versions", exc)
         if hasattr(sink, "latest_decisions"):

@@ -31,6 +31,13 @@ batch is ready, before updating) and goes on from those weights: production roll
 rolled back from are then dropped as stale, and the next candidate's version is one past every version
 the trainer saw live (``ProductionStream.next_version``).
 
+``server_url`` may be a replica set (a list or a comma list of vLLM servers, ``replicas.py``): publishes,
+the gate, the canary and rollbacks reach every replica. At every check of the store the replicas are
+reconciled with the live publish (a replica that restarted gets it back, and the canary's candidate).
+A publish that a replica still refuses after its retries (``PublishError``) is reported (counted as
+``continuous_publish_failures``, logged) and treated as a refusal: the live version stays on every
+replica, the batch counts as used, and training goes on from the live weights.
+
 State is kept in ``out_dir/continuous_state.json`` (the stream's), so a restarted trainer resumes
 where it stopped, with the last published adapter; one stopped between a publish and saving its
 state resumes at the version it published, without training on that batch again.
@@ -47,7 +54,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..diagnostics import report_failure
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, PublishError
 from ..tracer.provider import tracing
 from .config import ConfigModel, Count, Credit, Flag, LocalConfig, Loggers, Name, NonNegativeInt, Positive
 from .gate import Gate
@@ -55,6 +62,7 @@ from .local import LocalBackend, load_adapter
 from .loggers import MetricsLog, make_loggers, sample_rows
 from .noninferiority import not_worse
 from .publishers import Publisher, load_served, make_publisher, publish_and_record
+from .replicas import Replicas
 from .rollback import rollback
 from .sources import ProductionStream, StepBatch
 
@@ -71,7 +79,7 @@ class ContinuousTrainer(ConfigModel):
 
     store: Any = Field(repr=False)
     model_dir: Path
-    server_url: str
+    server_url: str | list[str]  # one vLLM server, or a replica set (a list, or a comma list)
     out_dir: Path = Path(".cache/continuous")
     served_name: Name = "policy"
     min_new: Count = Field(32, description="fresh rewarded rollouts per update")
@@ -106,6 +114,7 @@ class ContinuousTrainer(ConfigModel):
     _live_adapter: str | None = PrivateAttr(None)  # where the live policy's weights are
     _watching: tuple[int, int] | None = PrivateAttr(None)  # (version published, the one it replaced)
     _pending: dict[str, Any] | None = PrivateAttr(None)  # the update on canary: its metrics line so far
+    _replicas: Replicas = PrivateAttr()
 
     def model_post_init(self, context: Any) -> None:
         if bool(self.gate_tasks) != (self.gate_agent is not None):
@@ -115,6 +124,7 @@ class ContinuousTrainer(ConfigModel):
         if self.gate_tasks and len(self.gate_tasks) * self.gate_n < 2:
             raise ConfigurationError(f"the gate needs at least 2 tries per policy; got {len(self.gate_tasks)} task(s) "
                                      f"x gate_n={self.gate_n}: give more gate tasks or raise gate_n")
+        self._replicas = Replicas(self.server_url)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._source = ProductionStream(
             self.store, state_path=self.out_dir / "continuous_state.json", served_name=self.served_name,
@@ -156,7 +166,7 @@ class ContinuousTrainer(ConfigModel):
         self._follow_live()  # rolled back while stopped: go on from that version
         self._end_stranded_canary()
         self._publisher = self.publisher or make_publisher(
-            "vllm_lora", server_url=self.server_url, adapter_dir=adapters, served_name=self.served_name)
+            "vllm_lora", server_url=self._replicas, adapter_dir=adapters, served_name=self.served_name)
         version = max(self.version, 0)
         self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
         self._source.published(version)
@@ -164,7 +174,7 @@ class ContinuousTrainer(ConfigModel):
             if self._live_adapter is None:
                 raise ConfigurationError("the gate reloads the live policy's weights after a refusal, and publisher= "
                                          f"{self._publisher!r} returned no adapter path; return the saved folder")
-            self._gate = Gate(self.store, self.gate_agent, self.gate_tasks, server_url=self.server_url,
+            self._gate = Gate(self.store, self.gate_agent, self.gate_tasks, server_url=self._replicas,
                               served_name=self.served_name, n=self.gate_n, margin=self.gate_margin,
                               confidence=self.gate_confidence, timeout=self.gate_timeout)
 
@@ -198,11 +208,13 @@ class ContinuousTrainer(ConfigModel):
             return self._pending["line"]
         if not gate or gate["gate_decision"] == "promoted":
             live = self.version
-            self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
-            self._source.published(version)
-            self._watching = (version, live) if self.rollback_watch else None
-            if gate:
-                self._record(gate, "promoted", live)
+            failed = self._publish(version)
+            if failed is not None:  # no replica serves it (module doc): the reason goes in the line
+                gate = {**gate, "publish_failed": 1, "publish_error": failed}
+            else:
+                self._watching = (version, live) if self.rollback_watch else None
+                if gate:
+                    self._record(gate, "promoted", live)
         else:  # refused: the batch is used, the live policy stays, and training goes on from its weights
             self._source.discarded()
             load_adapter(self._backend, self._live_adapter)
@@ -213,6 +225,40 @@ class ContinuousTrainer(ConfigModel):
                 "publish_seconds": published - trained, "time": time.time()}
         self._write(line, batch, version)
         return line
+
+    def _publish(self, version: int) -> str | None:
+        """Publish the local model as ``version`` on every replica and record it; returns None, or the error
+        of a publish no replica serves (module doc: reported, counted; the trainer goes on from the live
+        weights, the batch counted as used)."""
+        try:
+            self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
+        except PublishError as exc:
+            report_failure("continuous_publish_failures", exc, message=(
+                f"lightning-rl: version {version} of {self.served_name!r} was not published: {exc}; the live "
+                f"version {self.version} stays, and training goes on from its weights (counted as "
+                "continuous_publish_failures, logged once)"))
+            log.warning("lightning-rl: publish of v%d failed: %s", version, exc)
+            self._source.discarded()
+            load_adapter(self._backend, self._live_adapter)
+            return str(exc)
+        self._source.published(version)
+        return None
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """Load the live publish (and the canary's candidate) on every replica that lacks it (``replicas.py``);
+        returns what was loaded, by replica. A replica that cannot be reconciled is reported (counted as
+        ``replica_reconcile_failures``, logged once) and tried again at the next check."""
+        if self.publisher is not None:  # a publisher of the user's: its replicas are its own
+            return {}
+        pending = self._pending
+        also = {self._source.canary_name: pending["adapter"]} if pending is not None else {}
+        try:
+            return self._replicas.reconcile(self.store.latest_policies().get(self.served_name), also=also)
+        except PublishError as exc:
+            report_failure("replica_reconcile_failures", exc, message=(
+                f"lightning-rl: a replica could not be reconciled with the live version of {self.served_name!r}: "
+                f"{exc}; tried again at the next check (counted as replica_reconcile_failures, logged once)"))
+            return {}
 
     def _write(self, line: dict[str, Any], batch: StepBatch | None, step: int) -> None:
         if self._metrics is None:
@@ -233,7 +279,7 @@ class ContinuousTrainer(ConfigModel):
         """Serve the candidate under its own name to ``canary`` of production (module doc)."""
         path = gate.get("candidate_adapter") or str(self._save_candidate(version))
         name = self._source.canary_name
-        load_served(self.server_url, name, path)
+        load_served(self._replicas, name, path)
         started = time.time()
         until = started + self.canary_timeout + 60.0  # processes stop routing by then, whatever happens here
         self.store.record_decision(self.served_name, version, "canary", live_version=self.version, adapter=path,
@@ -294,9 +340,9 @@ class ContinuousTrainer(ConfigModel):
         log.warning("lightning-rl canary: candidate v%d %s: %s", version, "promoted" if promoted else "refused", reason)
         live = self.version
         began = time.perf_counter()
-        if promoted:
-            self._live_adapter = publish_and_record(self._publisher, self.store, self._backend.adapter(), version)
-            self._source.published(version)
+        if promoted and (failed := self._publish(version)) is not None:
+            promoted, reason = False, f"refused: the publish failed: {failed}"
+        elif promoted:
             self._watching = (version, live) if self.rollback_watch else None
         else:
             self._source.discarded()
@@ -321,7 +367,8 @@ class ContinuousTrainer(ConfigModel):
         log.warning("lightning-rl canary: ended the canary of candidate v%d a previous run left", latest.version)
 
     def _on_check(self, batch: StepBatch | None) -> bool:
-        """After every check of the store: the canary, then the rollback watch."""
+        """After every check of the store: the replicas reconciled, the canary, then the rollback watch."""
+        self.reconcile()
         if self._judge_canary():
             return False
         return self._watch(batch)
@@ -346,7 +393,8 @@ class ContinuousTrainer(ConfigModel):
         self._live_adapter = latest.adapter
         old = self.version
         self._source.published(latest.version)
-        tracing.set_policy_version(latest.version, model=self.served_name)  # this process's calls, as a publish does
+        tracing.set_policy_version(latest.version, model=self.served_name,  # this process's calls, as a publish does
+                                   served_as=getattr(latest, "served_as", None))
         self._write({"version": latest.version, "rolled_back": 1, "rolled_back_from": old, **(figures or {}),
                      "time": time.time()}, None, old)
 
@@ -374,7 +422,7 @@ class ContinuousTrainer(ConfigModel):
         reason = (f"watch: production reward of version {new} {test.mean_candidate:.4f} (n={test.n_candidate}) against "
                   f"{test.mean_live:.4f} (n={test.n_live}) of version {old}; upper bound {test.upper_bound:.4f} < "
                   f"-margin {-test.margin:.4f}")
-        rollback(self.store, to=old, server_url=self.server_url, served_name=self.served_name, reason=reason,
+        rollback(self.store, to=old, server_url=self._replicas, served_name=self.served_name, reason=reason,
                  figures=figures)
         log.warning("lightning-rl: rolled %r back to version %d: %s", self.served_name, old, reason)
         self._watching = None

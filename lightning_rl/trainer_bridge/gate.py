@@ -8,6 +8,9 @@ live version: its figure is kept while it stays live). The agent is the one the 
 with: it calls the model that ``lrl.current_endpoint()`` names (``(base_url, served name)``), as verl's
 agents do. A try's reward is its rollout's final reward, a failed try's 0 (``Trainer.evaluate``'s
 rule). The candidate's name is unloaded afterwards (the server needs ``--max-loras 2``).
+
+Over a replica set (``server_url`` a list, ``replicas.py``) the candidate is loaded on every replica and
+the tries are spread over them in turn, so a replica that serves the candidate differently shows.
 """
 
 from __future__ import annotations
@@ -29,17 +32,19 @@ from ..store.queries import trajectory
 from ..tracer import rollout_overrides
 from .noninferiority import GateTest, not_worse
 from .publishers import load_served, unload_served
+from .replicas import Replicas
 from .runner import LoopThread
 
 
 class Gate:
     """Evaluate candidates against the live policy on ``tasks`` (module doc)."""
 
-    def __init__(self, store: Any, agent: Callable[[Any], Any], tasks: Sequence[Any], *, server_url: str,
-                 served_name: str, n: int = 1, margin: float = 0.1, confidence: float = 0.9, concurrency: int = 8,
-                 timeout: float = 120.0) -> None:
+    def __init__(self, store: Any, agent: Callable[[Any], Any], tasks: Sequence[Any], *,
+                 server_url: str | Sequence[str] | Replicas, served_name: str, n: int = 1, margin: float = 0.1,
+                 confidence: float = 0.9, concurrency: int = 8, timeout: float = 120.0) -> None:
         self.store, self.agent, self.tasks, self.n = store, agent, list(tasks), n
-        self.server_url = server_url.rstrip("/").removesuffix("/v1")
+        self.replicas = Replicas(server_url)
+        self.server_url = self.replicas.urls[0]
         self.served_name, self.candidate_name = served_name, f"{served_name}-candidate"
         self.margin, self.confidence, self.concurrency, self.timeout = margin, confidence, concurrency, timeout
         self._live: tuple[int, list[float]] | None = None  # (version, its rewards) while it stays live
@@ -49,11 +54,11 @@ class Gate:
         """One reward per try: every gate task ``n`` times, the agent calling ``served``."""
         tries = [(task, f"gate-{uuid.uuid4().hex}") for task in self.tasks for _ in range(self.n)]
         group = f"gate-{served}-{uuid.uuid4().hex[:8]}"
-        endpoint = (f"{self.server_url}/v1", served)
+        urls = {rid: self.replicas.urls[i % len(self.replicas)] for i, (_, rid) in enumerate(tries)}
 
         def overrides(task: Any, rid: str) -> Any:
-            return rollout_overrides(rollout_id=rid, group_id=group, mode="eval", task=task, endpoint=endpoint,
-                                     timeout=self.timeout)
+            return rollout_overrides(rollout_id=rid, group_id=group, mode="eval", task=task,
+                                     endpoint=(f"{urls[rid]}/v1", served), timeout=self.timeout)
 
         if inspect.iscoroutinefunction(self.agent):
             async def one(task: Any, rid: str, limit: asyncio.Semaphore) -> None:
@@ -101,15 +106,15 @@ class Gate:
 
     def check(self, candidate_adapter: str, live_version: int) -> GateTest:
         """Load ``candidate_adapter`` under the candidate's name, evaluate it and the live policy, and test."""
-        load_served(self.server_url, self.candidate_name, candidate_adapter)
+        load_served(self.replicas, self.candidate_name, candidate_adapter)
         try:
             candidate = self.rewards(self.candidate_name)
         finally:
             try:
-                unload_served(self.server_url, self.candidate_name)
+                unload_served(self.replicas, self.candidate_name)
             except PublishError as exc:  # the slot is reused by the next candidate (load_inplace) anyway
                 report_failure("gate candidate unload", exc, message=(
-                    f"lightning-rl: the gate could not unload {self.candidate_name!r} from {self.server_url} "
+                    f"lightning-rl: the gate could not unload {self.candidate_name!r} from {list(self.replicas.urls)} "
                     f"({exc}); the next candidate replaces it in place (counted, logged once)"))
         live = self.live_rewards(live_version)
         return not_worse(candidate, live, margin=self.margin, confidence=self.confidence)

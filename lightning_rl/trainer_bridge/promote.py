@@ -18,12 +18,13 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from .gate import Gate
-from .publishers import load_served
+from ..tracer.provider import tracing
+from .replicas import Replicas
 
 
-def promote(store: Any, adapter: str | Path, *, server_url: str, served_name: str, gate_agent: Callable[[Any], Any],
-            gate_tasks: Sequence[Any], gate_n: int = 1, margin: float = 0.1, confidence: float = 0.9,
-            reason: str | None = None, timeout: float = 120.0) -> dict[str, Any]:
+def promote(store: Any, adapter: str | Path, *, server_url: str | Sequence[str] | Replicas, served_name: str,
+            gate_agent: Callable[[Any], Any], gate_tasks: Sequence[Any], gate_n: int = 1, margin: float = 0.1,
+            confidence: float = 0.9, reason: str | None = None, timeout: float = 120.0) -> dict[str, Any]:
     """Judge ``adapter`` against the live policy of ``served_name`` and publish it when not worse (module doc).
     Returns ``{"decision": "promoted" | "refused", "version": ..., "live_version": ..., "gate_*": ...}``."""
     adapter = Path(adapter)
@@ -47,8 +48,9 @@ def promote(store: Any, adapter: str | Path, *, server_url: str, served_name: st
     decision = "promoted" if test.not_worse else "refused"
     why = reason or (f"lower bound {test.lower_bound:.4f} {'>=' if test.not_worse else '<'} -margin {-test.margin:.4f}")
     if test.not_worse:
-        load_served(server_url, served_name, adapter.resolve(), timeout=timeout)
-        store.record_policy(served_name, version, adapter=str(adapter.resolve()))
+        served_as = Replicas(server_url, timeout=timeout).publish(served_name, version, adapter.resolve())
+        tracing.set_policy_version(version, model=served_name, served_as=served_as)  # this process's, as a publish
+        store.record_policy(served_name, version, adapter=str(adapter.resolve()), served_as=served_as)
     store.record_decision(served_name, version, decision, live_version=live, adapter=str(adapter.resolve()),
                           figures=figures, reason=why)
     return {"decision": decision, "served_name": served_name, "version": version, "live_version": live,

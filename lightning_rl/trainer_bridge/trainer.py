@@ -74,7 +74,7 @@ class Trainer(ConfigModel):
     tasks: Sequence[Any] = Field((), repr=False)
     store: Any = Field(repr=False)  # the store the tasks are queued in and the rollouts read from
     model_dir: Path
-    server_url: str | None = None  # None only with source=: adapters are saved, not served
+    server_url: str | list[str] | None = None  # a vLLM server or a replica set; None only with source= (a replay)
     served_name: Name = "policy"  # one policy: the LoRA name every agent calls
     policies: Any = None  # a team: agent name -> served name of its LoRA (checked by policies.Policies)
     out_dir: Path = Path(".cache/train")
