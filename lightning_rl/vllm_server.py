@@ -69,6 +69,8 @@ class VLLMServer:
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 1  # adapters in one batch (one per policy a team trains)
+    # VLLM_SERVER_DEV_MODE=1: the routes a full-weights publish uses (/pause, /collective_rpc, /resume; vllm_full)
+    dev_mode: bool = False
     extra_args: tuple[str, ...] = ()
     log_path: Path | None = None
     ready_timeout: float = 300.0
@@ -116,6 +118,8 @@ class VLLMServer:
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.pop(ENV_STORE, None)
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -55,8 +55,13 @@ def read_tasks(path: str) -> list[Any]:
               help="Held-out tasks (JSON lines), run before and after training (mode eval).")
 @click.option("--store", default=None, help=STORE_HELP)
 @click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="The served base model.")
-@click.option("--server-url", required=True, help="The vLLM server the agent calls (started with --enable-lora).")
+@click.option("--server-url", required=True, help="The vLLM server the agent calls (started with --enable-lora); "
+              "replicas: a comma list, each gets every publish.")
 @click.option("--served-name", default="policy", show_default=True, help="The LoRA name the agent calls.")
+@click.option("--weights", type=click.Choice(["lora", "full"]), default="lora", show_default=True,
+              help="What each step publishes: the LoRA, hot-loaded under --served-name; or full, the merged model "
+              "reloaded into vLLM started with VLLM_SERVER_DEV_MODE=1 (--served-name: the base model's served "
+              "name; docs/fleet.md, Full weights).")
 @click.option("--policy", "policies", multiple=True, metavar="AGENT=SERVED", help=POLICY_HELP)
 @click.option("--out", default=".cache/train", show_default=True, help="Adapters, metrics.jsonl and reward.png.")
 @click.option("--n", type=int, default=8, show_default=True, help="Tries per task (a GRPO group).")
@@ -76,7 +81,7 @@ def read_tasks(path: str) -> list[Any]:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--logger", "loggers", multiple=True, metavar="NAME", help=LOGGER_HELP)
 @errors
-def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served_name, policies, out, n,
+def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served_name, weights, policies, out, n,
               tasks_per_step, steps, lr, temperature, dtype, credit, level, concurrency, overlap, max_staleness,
               init_adapter, seed, loggers) -> None:
     """Train over a task set: each step runs every task n times and updates the LoRA (Trainer.fit).
@@ -93,10 +98,19 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
     solve = load_agent(agent)
     tasks, held_out = read_tasks(tasks_path), read_tasks(eval_path) if eval_path else []
     team = policy_map(policies) or None
+    publisher = None
+    if weights == "full":
+        if team:
+            raise ConfigurationError(f"--weights full publishes one model, and --policy {policies[0]} asks for a LoRA per "
+                                     "agent; drop --policy, or train LoRAs (--weights lora)")
+        from ..trainer_bridge.publishers import make_publisher
+        publisher = make_publisher("vllm_full", server_url=server_url, served_name=served_name,
+                                   weights_dir=Path(out) / "weights")
     opened = open_store(store)
     try:
         trainer = Trainer(agent=solve, tasks=tasks, eval_tasks=held_out, store=opened, model_dir=model_dir,
                           server_url=server_url, served_name=served_name, policies=team, out_dir=out, n=n,
+                          publisher=publisher,
                           tasks_per_step=tasks_per_step, steps=steps, credit=credit, level=level,
                           concurrency=concurrency, overlap=overlap, max_staleness=max_staleness,
                           init_adapter=init_adapter, seed=seed, local=LocalConfig(lr=lr, temperature=temperature, dtype=dtype),
@@ -117,7 +131,8 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
 @train.command("continuous")
 @click.option("--store", default=None, help=STORE_HELP)
 @click.option("--model-dir", required=True, type=click.Path(file_okay=False), help="The served base model.")
-@click.option("--server-url", required=True, help="The vLLM server (started with --enable-lora).")
+@click.option("--server-url", required=True, help="The vLLM server (started with --enable-lora); replicas: a comma "
+              "list, each gets every publish and is reconciled at every check.")
 @click.option("--served-name", default="policy", show_default=True, help="The LoRA name agents call.")
 @click.option("--out", default=".cache/continuous", show_default=True, help="Adapters, state and metrics.")
 @click.option("--min-new", type=int, default=32, show_default=True, help="Fresh rewarded rollouts per update.")
