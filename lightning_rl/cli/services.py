@@ -292,16 +292,22 @@ def store_token(roles: tuple[str, ...], as_json: bool) -> None:
 @click.option("--redacted-tokens", type=click.Choice(["drop", "keep"]), default=None,
               help="Token ids of a call whose text was redacted: drop them (not trained on) or keep them (they "
                    "decode to the original text) (default: $LIGHTNING_RL_REDACTED_TOKENS or drop).")
+@click.option("--shared", is_flag=True, default=False,
+              help="Several gateways behind one plain balancer: keep each open rollout's state in the store, so "
+                   "that any of them serves its next call (needs --token, the same on each; docs/fleet.md).")
 @click.option("--log-level", default="warning", show_default=True)
 @errors
 def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int, token: str | None,
-            idle_timeout: float, redact: str | None, redacted_tokens: str | None, log_level: str) -> None:
+            idle_timeout: float, redact: str | None, redacted_tokens: str | None, shared: bool,
+            log_level: str) -> None:
     """Trace agents in any language: an OpenAI-compatible proxy that records rollouts into the store.
 
     Open a rollout with POST /v1/rollouts; point the agent's OpenAI client at the base_url (or use the
     api_key) it answers with; end it with POST /v1/rollouts/{id}/finish.
 
     Example: lightning-rl gateway --upstream http://127.0.0.1:8000 --store runs.db --port 8400
+
+    Two behind a balancer: lightning-rl gateway --shared --token "$T" --store http://store:8765 --upstream ...
     """
     from .. import _api
     from ..gateway import Gateway, serve
@@ -313,7 +319,7 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
         # loaded first: a bad one ends the command, leaving no refused redaction in this process's set-up
         function = load_redactor(redact, what="--redact") if redact is not None else None
         _api.configure(redact=function, redacted_tokens=redacted_tokens)
-    proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None)  # bad upstreams are refused before the store is opened
+    proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None, shared=shared)  # bad upstreams are refused before the store is opened
     _api.configure(store=open_store(store))
     serve(proxy, host=host, port=port, log_level=log_level, announce=lambda: click.echo(
         f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True))

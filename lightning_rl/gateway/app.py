@@ -101,6 +101,12 @@ def create_app(gateway: Gateway) -> Any:
     async def health() -> Response:
         return _json({"ok": True, "open_rollouts": len(gateway.rollouts), "upstreams": gateway.upstream_health()})
 
+    @app.get("/v1/upstreams")
+    async def upstreams(request: Request) -> Response:
+        """The engines this gateway routes to (the replicas a publish must reach), with the gateway's token."""
+        gateway.check_admin(request.headers)
+        return _json({"upstreams": gateway.upstream_urls()})
+
     @app.post("/v1/rollouts")
     async def open_rollout(request: Request) -> Response:
         gateway.check_admin(request.headers)
@@ -120,7 +126,10 @@ def create_app(gateway: Gateway) -> Any:
         return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
 
     async def _traces(request: Request, rollout_id: str | None) -> Response:
-        gateway.check_spans_sender(rollout_id, request.headers)  # before a byte of the body is read or inflated
+        if gateway.shared:  # before a byte of the body is read or inflated (shared: a store read, off the loop)
+            await asyncio.to_thread(gateway.check_spans_sender, rollout_id, request.headers)
+        else:
+            gateway.check_spans_sender(rollout_id, request.headers)
         body = await _raw(request)
         kind = otlp.content_kind(request.headers.get("content-type"))
         try:
@@ -203,7 +212,10 @@ class _CallFront:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         dialect = self.dialects.get(endpoint)
         try:
-            active = self.gateway.rollout_for(rollout_id, headers)  # credentials before the body is read
+            if self.gateway.shared:  # the rollout as the store has it now: a read, off the event loop
+                active = await asyncio.to_thread(self.gateway.rollout_for, rollout_id, headers)
+            else:  # credentials before the body is read
+                active = self.gateway.rollout_for(rollout_id, headers)
             raw = await self._read(receive, headers)
             if dialect is None:
                 result = await self._chat(headers, raw, active, agent, endpoint)
@@ -316,7 +328,7 @@ class BackgroundGateway(BackgroundService):
 
 def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 8400, log_level: str = "warning",
           announce: Callable[[], None] | None = None) -> None:
-    """Run the gateway until interrupted (one process: its open rollouts live in memory)."""
+    """Run the gateway until interrupted (its open rollouts live in its memory, or with ``shared`` in the store)."""
     run(GATEWAY, create_app(gateway), host=host, port=port, token=gateway.token, log_level=log_level,
         announce=announce, timeout_graceful_shutdown=10)
 

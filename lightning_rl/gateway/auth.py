@@ -42,7 +42,7 @@ class Auth:
     def rollout_for(self, rollout_id: str | None, headers: Any) -> OpenRollout:
         """The open rollout a request is for: named by its path, its key, or both (then they agree)."""
         given = self._bearer(headers)
-        by_key = self._by_key.get(given) if given and given.startswith(KEY_PREFIX) else None
+        by_key = self._key_owner(given)
         if given and given.startswith(KEY_PREFIX) and by_key is None:
             raise GatewayError(401, "unknown rollout key; open a rollout with POST /v1/rollouts and use the "
                                     "api_key it answers with (a finished rollout's key no longer works)")
@@ -57,6 +57,8 @@ class Auth:
         elif by_key is None and not self._is_admin(given):
             raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
         active = self.rollouts.get(rollout_id)
+        if self.shared and (active is None or active.rollout is not None):  # a command's own stays here
+            active = self._load_shared(rollout_id)
         if active is None:
             if self._finished(rollout_id):
                 raise GatewayError(409, f"rollout {rollout_id!r} has finished; open a new one for more calls")
@@ -74,7 +76,7 @@ class Auth:
         """A rollout's key or the gateway's token, before a body is read (401 or 403 either way, whether
         or not the rollout exists; the route itself then tells 404 from 409)."""
         given = self._bearer(headers)
-        owner = self._by_key.get(given) if given and given.startswith(KEY_PREFIX) else None
+        owner = self._key_owner(given)
         if owner is None and not self._is_admin(given):
             raise GatewayError(401, "send the rollout's api_key (or the gateway's token) as the bearer token")
         if owner is not None and owner != rollout_id:
@@ -84,7 +86,7 @@ class Auth:
         """The credentials of an OTLP export, checked before its body is read: the gateway's token, or
         a rollout key (whose rollout is returned). 401 otherwise, whatever the body or path names."""
         given = self._bearer(headers)
-        key_rollout = self._by_key.get(given) if given and given.startswith(KEY_PREFIX) else None
+        key_rollout = self._key_owner(given)
         if given and given.startswith(KEY_PREFIX) and key_rollout is None:
             raise GatewayError(401, "unknown rollout key; a finished rollout's key no longer works")
         if key_rollout is None and not self._is_admin(given):

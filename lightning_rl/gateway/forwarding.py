@@ -4,6 +4,7 @@ stream relayed as it comes (``Relay``). Tool messages in a conversation become t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,7 @@ from ..diagnostics import count
 from ..tracer.context import rollout_scope
 from ..tracer.provider import current_span_of_ours, record_tool_span
 from .rollouts import OpenRollout
+from .shared import new_tool_messages
 from .upstream import Response as UpstreamResponse
 from .upstream import Upstream
 
@@ -30,6 +32,7 @@ class Forwarding:
     """Calls to the engines (a part of :class:`~lightning_rl.gateway.proxy.Gateway`, over its state)."""
 
     upstreams: list[str]
+    shared: bool
     down_for: float
     timeout: float
     _in_flight: dict[str, int]
@@ -57,6 +60,8 @@ class Forwarding:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return
+        if self.shared:  # answered before the last assistant message: an earlier call, maybe elsewhere, saw them
+            active.tool_calls_seen |= new_tool_messages(messages)
         asked: dict[str, dict[str, Any]] = {}
         for message in messages:
             if not isinstance(message, dict):
@@ -97,7 +102,11 @@ class Forwarding:
                 count("gateway_upstream_unreachable")
                 continue
             active.upstream = upstream
+            if self.shared and not isinstance(result, Relay):  # stored before answered (a stream: at its end)
+                await asyncio.to_thread(self._settle)
             return result
+        if self.shared:
+            await asyncio.to_thread(self._settle)
         raise GatewayError(502, "no upstream engine could serve this call (tried them all); it is recorded on the "
                                 "rollout as a failed call", errors)
 
@@ -153,6 +162,9 @@ class Forwarding:
                 out = []
                 for raw in lines:
                     piece, end = relay_line(raw, call, render)
+                    if end and not finished and self.shared:  # stored before the agent reads the end
+                        call.finish()
+                        await asyncio.to_thread(self._settle)
                     finished = finished or end
                     if piece:
                         out.append(piece)

@@ -29,13 +29,16 @@ Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "cod
 * ``POST /v1/rollouts/{id}/rewards`` ``{value, name?}``: a reward, mid-run (on the rollout's latest
   finished call, as ``emit_reward``) or after the end (late feedback).
 * ``POST /v1/rollouts/{id}/finish`` ``{status, reward?, error?}``: the end (``succeeded``/``failed``).
-* ``GET /v1/health``.
+* ``GET /v1/health``; ``GET /v1/upstreams`` (with the token): the engines it routes to.
 
 Engines: a rollout's calls stick to one upstream (its prefix cache); a new rollout goes to the
 upstream with the fewest calls in flight among those not marked down. An upstream that cannot be
 reached is marked down for ``down_for`` seconds and the call goes to the next; a call no upstream can
 serve gets 502 and is recorded on the rollout as a failed call. Policy versions are stamped as the
 tracer stamps them: from the publishes recorded in the store.
+
+Several gateways behind a plain balancer (``shared=True``, ``--shared``, the same token on each): a
+rollout's state lives in the store and any of them serves its next request (``shared.py``).
 
 Auth: with a token (required when bound beyond loopback), every route but health needs
 ``Authorization: Bearer <token>`` (``/openapi.json`` too), except a rollout's own calls, rewards,
@@ -59,17 +62,21 @@ from ..tracer.provider import tracing
 from .auth import Auth
 from .forwarding import Forwarding
 from .rollouts import OpenRollout, Rollouts
+from .shared import ClockSeq, Shared, check_shared
 from .upstream import Upstream
 
 DEFAULT_MAX_BODY = 16 * 2**20
 
 
-class Gateway(Auth, Rollouts, Forwarding):
+class Gateway(Auth, Rollouts, Forwarding, Shared):
     """The gateway's state: open rollouts, upstreams; who may do what (``auth.py``), the rollouts' lifecycle
-    (``rollouts.py``) and the calls (``forwarding.py``). The app serving it is ``app.py``."""
+    (``rollouts.py``) and the calls (``forwarding.py``). The app serving it is ``app.py``. ``shared``:
+    rollouts live in the store, so that gateways behind a plain balancer serve each other's (``shared.py``;
+    needs ``token``, the same on each)."""
 
     def __init__(self, upstreams: list[str], *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
-                 down_for: float = 10.0, timeout: float = 600.0, idle_timeout: float | None = 3600.0) -> None:
+                 down_for: float = 10.0, timeout: float = 600.0, idle_timeout: float | None = 3600.0,
+                 shared: bool = False) -> None:
         if not upstreams:
             raise ConfigurationError("the gateway needs at least one --upstream URL (an OpenAI-compatible engine, "
                                      "e.g. http://127.0.0.1:8000)")
@@ -81,9 +88,12 @@ class Gateway(Auth, Rollouts, Forwarding):
             cleaned.append(url.rstrip("/").removesuffix("/v1"))
         if idle_timeout is not None and not (isinstance(idle_timeout, (int, float)) and idle_timeout > 0):
             raise ConfigurationError(f"idle_timeout must be a number of seconds > 0 (or None: never), got {idle_timeout!r}")
+        check_shared(shared, token)
         tracing.redaction(check=True)  # a LIGHTNING_RL_REDACT naming no function stops the gateway as it starts
         self.upstreams = cleaned
         self.token = token
+        self.shared = shared
+        self._seq = ClockSeq()
         self.idle_timeout = idle_timeout
         self.max_body_bytes = max_body_bytes
         self.down_for = down_for
@@ -98,3 +108,8 @@ class Gateway(Auth, Rollouts, Forwarding):
     @property
     def store(self) -> Any:
         return tracing.sink()
+
+    def upstream_urls(self) -> list[str]:
+        """The engines this gateway sends calls to, as given (without ``/v1``): the replicas a publish
+        must reach (also ``GET /v1/upstreams``, with the gateway's token)."""
+        return list(self.upstreams)

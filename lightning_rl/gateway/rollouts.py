@@ -23,8 +23,8 @@ from ..store.queries import expire_idle_running
 from ..tracer.context import RolloutState, rollout_scope
 from ..tracer.provider import tracing
 from ..tracer.redaction import redact_row, redact_rollout, redact_text
+from .shared import KEY_PREFIX, root_span, rollout_key
 
-KEY_PREFIX = "lrl-"
 ORIGIN = "gateway"  # Rollout.origin of the rollouts opened over the HTTP API
 
 
@@ -74,13 +74,20 @@ class Rollouts:
         self.store.start_rollout(rollout if redact is None else redact_rollout(rollout, redact))
         state = RolloutState(rollout_id, name, agent or name, mode, rollout.policy_version, group_id=group_id,
                              attempt=attempt)
-        with rollout_scope(state):  # the span processor numbers spans of the active rollout only
-            span = tracing.tracer.start_span(f"invoke_agent {rollout.agent}", attributes={
-                semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: rollout.agent,
-                semconv.ROLLOUT_ID: rollout_id, semconv.POLICY_VERSION: rollout.policy_version})
-        key = KEY_PREFIX + secrets.token_urlsafe(24)
-        self.rollouts[rollout_id] = OpenRollout(rollout, state, span, key)
-        self._by_key[key] = rollout_id
+        if self.shared:  # the store holds it (shared.py): any gateway with the token serves its next request
+            state.seq = self._seq
+            self.rollouts[rollout_id] = OpenRollout(rollout, state, root_span(rollout_id),
+                                                    rollout_key(self.token or "", rollout_id),
+                                                    upstream=self._rendezvous(rollout_id))
+            self._settle()
+        else:
+            with rollout_scope(state):  # the span processor numbers spans of the active rollout only
+                span = tracing.tracer.start_span(f"invoke_agent {rollout.agent}", attributes={
+                    semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: rollout.agent,
+                    semconv.ROLLOUT_ID: rollout_id, semconv.POLICY_VERSION: rollout.policy_version})
+            self.rollouts[rollout_id] = OpenRollout(rollout, state, span, KEY_PREFIX + secrets.token_urlsafe(24))
+            self._by_key[self.rollouts[rollout_id].key] = rollout_id
+        key = self.rollouts[rollout_id].key
         count("gateway_rollouts_opened")
         return {"rollout_id": rollout_id, "base_url": f"{base_url.rstrip('/')}/rollouts/{rollout_id}/v1",
                 "api_key": key, "group_id": group_id}
@@ -108,19 +115,21 @@ class Rollouts:
         except InvalidRewardError as exc:
             raise GatewayError(422, str(exc)) from None
         given = self._bearer(headers)
-        if given and given.startswith(KEY_PREFIX) and self._by_key.get(given) not in (None, rollout_id):
+        if self._key_owner(given) not in (None, rollout_id):
             raise GatewayError(403, "this key belongs to another rollout; a rollout key writes only its own rollout")
-        active = self.rollouts.get(rollout_id)
+        active = self._open_now(rollout_id)
         if active is None:  # late feedback on a finished rollout: needs the gateway's token, not a key
             self.check_admin(headers)  # before anything tells whether the rollout exists
             if not self._finished(rollout_id):
                 raise GatewayError(404, f"unknown rollout {rollout_id!r}")
             self.store.add_reward(rollout_id, value, name=name)
+            self._settle()
             return {"rollout_id": rollout_id, "late": True}
         self.rollout_for(rollout_id, headers)
         index = active.state.last_llm_call
         self.store.write_reward(Reward(rollout_id=rollout_id, value=value, name=name, llm_call_index=index,
                                        source=RewardSource.EMITTED))
+        self._settle()
         return {"rollout_id": rollout_id, "late": False, "llm_call_index": index}
 
     def finish(self, rollout_id: str, body: dict[str, Any], headers: Any) -> dict[str, Any]:
@@ -155,17 +164,25 @@ class Rollouts:
             self.store.write_reward(Reward(rollout_id=rollout_id, value=reward, source=RewardSource.RETURNED))
         for call in list(active.state.open_calls.values()):  # streams the agent never finished reading
             call.finish(incomplete=True)
-        try:
-            if status != RolloutStatus.SUCCEEDED:
-                from opentelemetry.trace import Status, StatusCode
+        version = active.state.oldest_call_version
+        if self.shared:  # the root span, and the versions of calls other gateways made, from the store
+            try:
+                version = self._write_root(active, status, error)
+            except Exception as exc:  # the end is recorded all the same
+                report_failure("gateway shared rollout root span", exc)
+            active.state.note_end()
+        else:
+            try:
+                if status != RolloutStatus.SUCCEEDED:
+                    from opentelemetry.trace import Status, StatusCode
 
-                active.span.set_status(Status(StatusCode.ERROR, error or status))
-            active.span.end()
-        except Exception as exc:
-            report_failure("gateway rollout span end", exc)
-        active.state.note_end()
+                    active.span.set_status(Status(StatusCode.ERROR, error or status))
+                active.span.end()
+            except Exception as exc:
+                report_failure("gateway rollout span end", exc)
+            active.state.note_end()
         self.store.finish_rollout(rollout_id, RolloutStatus(status), time.time(),
-                                  redact_text(error, tracing.redaction()), active.state.oldest_call_version)
+                                  redact_text(error, tracing.redaction()), version)
         self.store.flush(tracing.settings.flush_timeout)
         return True
 
@@ -176,6 +193,12 @@ class Rollouts:
         if self.idle_timeout is None:
             return []
         now = time.monotonic() if now is None else now
+        if self.shared:  # another gateway may be serving it: forget it here; the orphan sweep reads the store
+            for active in list(self.rollouts.values()):
+                if active.rollout is not None and not active.state.open_calls \
+                        and now - active.last_seen >= self.idle_timeout:
+                    self.rollouts.pop(active.state.rollout_id, None)
+            return []
         ended = []
         for active in list(self.rollouts.values()):
             if active.rollout is None or active.state.open_calls or now - active.last_seen < self.idle_timeout:
@@ -202,7 +225,11 @@ class Rollouts:
         return ended
 
     def end_all(self, why: str) -> list[str]:
-        """End every HTTP-opened rollout still open as failed (the gateway is stopping: their keys die with it)."""
+        """End every HTTP-opened rollout still open as failed (the gateway is stopping: their keys die with it).
+        Shared: none (the other gateways serve them); what was written is flushed."""
+        if self.shared:
+            self._settle()
+            return []
         ended = [a.state.rollout_id for a in list(self.rollouts.values())
                  if a.rollout is not None and self._end(a, RolloutStatus.FAILED, why)]
         if ended:
@@ -218,10 +245,12 @@ class Rollouts:
         of no open rollout, or of one the request's key does not open, are refused. Both are counted and
         said in the answer (OTLP's partial success)."""
         key_rollout = self.check_spans_sender(rollout_id, headers)
-        stored, why = 0, {}
+        stored, why, held = 0, {}, {}
         for span in spans:
             target = span["attributes"].get(semconv.ROLLOUT_ID) or rollout_id or key_rollout
-            active = self.rollouts.get(target) if isinstance(target, str) else None
+            if isinstance(target, str) and target not in held:
+                held[target] = self._open_now(target)
+            active = held.get(target) if isinstance(target, str) else None
             reason = None
             if active is None:
                 reason = "no open rollout named (lightning_rl.rollout.id, the path or the key)"
@@ -234,6 +263,8 @@ class Rollouts:
                 continue
             self._write_external(active, span)
             stored += 1
+        if stored:
+            self._settle()
         rejected = sum(why.values())
         if rejected:
             count("gateway_otlp_spans_refused", rejected)
