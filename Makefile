@@ -146,6 +146,9 @@ demo-spine: $(DEMO_DEPS)
 bench: all venv-peer postgres
 	$(PY) bench/bench_store_server.py --peer-python .venv-peer/bin/python --json-out .cache/bench-store-server.json
 	$(PY) bench/bench_pg_store_server.py --json-out .cache/bench-pg-store-server.json
+	$(PY) bench/bench_fleet_queue.py --json-out .cache/bench-fleet-queue.json
+	$(PY) bench/bench_full_publish.py --replicas 2 --publishes 5
+	$(PY) bench/bench_gateway_shared.py
 	$(PY) bench/bench_span_cost.py
 	$(PY) bench/bench_span_cost.py --prompt-tokens 16 --response-tokens 8
 	$(PY) bench/bench_store_ingest.py
@@ -157,6 +160,7 @@ bench: all venv-peer postgres
 	$(PY) bench/bench_capture_cost.py
 	$(PY) bench/bench_policy_memory.py
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
+	$(PY) bench/bench_publish_replicas.py --replicas 3 --json-out .cache/bench-publish-replicas.json
 	$(PY) bench/bench_gateway.py --json-out .cache/bench-gateway.json
 	$(PY) bench/bench_viewer.py --json-out .cache/bench-viewer.json
 	$(PY) bench/bench_viewer.py --store postgres --json-out .cache/bench-viewer-pg.json
