@@ -117,6 +117,8 @@ def test_user_mistakes_exit_1_with_one_line(db, tmp_path):
                   "--policy", "planner", *trains],
                  ["train", "run", "--agent", "tests.trainer_bridge.sync_agents:counting_agent", "--tasks", str(tasks),
                   "--weights", "full", "--policy", "planner=policy", *trains],
+                 ["train", "run", "--agent", "tests.trainer_bridge.sync_agents:counting_agent", "--tasks", str(tasks),
+                  *trains],  # a model folder without config.json
                  ["train", "replay", db, "--model-dir", str(tmp_path)],  # a run with nothing to replay
                  ["train", "verl", "--agent", "no_colon"],
                  ["export", "--store", db, "--credit", "bogus"],

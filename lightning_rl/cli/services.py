@@ -320,9 +320,18 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
         function = load_redactor(redact, what="--redact") if redact is not None else None
         _api.configure(redact=function, redacted_tokens=redacted_tokens)
     proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None, shared=shared)  # bad upstreams are refused before the store is opened
-    _api.configure(store=open_store(store))
+    opened = open_store(store)
+    if shared:  # every call reads the rollout back: a store token without the reader role fails here, not per call
+        from ..errors import RolloutNotFoundError
+
+        try:
+            opened.llm_call_counts(["lightning-rl-gateway-start-check"])
+        except RolloutNotFoundError:
+            pass
+    _api.configure(store=opened)
     serve(proxy, host=host, port=port, log_level=log_level, announce=lambda: click.echo(
-        f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}", err=True))
+        f"gateway on http://{host}:{port} in front of {', '.join(proxy.upstreams)}"
+        + (" (shared: rollouts kept in the store)" if shared else ""), err=True))
 
 
 @click.command("view")
@@ -366,7 +375,9 @@ def view(store: str | None, metrics_dir: str | None, tokenizer: str | None, host
               help="Write a JSON report at exit (tries run, store write latencies).")
 @click.option("--wait", "lease_wait", type=click.FloatRange(0, 300), default=5.0, show_default=True,
               help="Longest one lease request waits in the store for a try (a long poll: a queued try is taken at "
-                   "once, an idle runner asks once per WAIT seconds); 0: ask every --poll seconds.")
+                   "once, an idle runner asks once per WAIT seconds); at most a quarter of --lease-seconds, and over "
+                   "a store server at most its client's read timeout less 2 s (8 s by default); 0: ask every --poll "
+                   "seconds.")
 @click.option("--poll", type=click.FloatRange(0.001, 60), default=0.05, show_default=True,
               help="Pause between lease requests that did not wait (--wait 0, or a store that answers at once).")
 @errors

@@ -118,6 +118,10 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
     except BaseException:
         opened.close()
         raise
+    if not (Path(model_dir) / "config.json").is_file():
+        opened.close()
+        raise ConfigurationError(f"--model-dir {model_dir} has no config.json: give the folder of the served base "
+                                 "model (what vLLM was started with, a transformers save_pretrained folder)")
     _api.configure(store=opened)  # the agent's spans go to the store fit reads
     result = trainer.fit()
     opened.flush()

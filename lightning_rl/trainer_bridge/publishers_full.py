@@ -178,7 +178,8 @@ class VLLMFullPublisher:
         if model is None or model.get("parent") is not None:
             raise ConfigurationError(
                 f"{url} does not serve {self.served_name!r} as its base model (it serves {sorted(listed)}); give "
-                "vllm_full the server's --served-model-name (full weights replace the base model)")
+                "vllm_full the name vLLM serves its base model under (`vllm serve --served-model-name`; "
+                "`train run --weights full --served-name NAME`): full weights replace the base model")
         self._checked[url] = str(model.get("root") or "")
         return self._checked[url]
 

@@ -160,6 +160,11 @@ class Replicas:
                          {"lora_name": name, "lora_path": adapter, "load_inplace": True}, self.timeout)
                 return
             except PublishError as exc:
+                if " 404:" in str(exc) and re.search(r'"detail":\s*"Not Found"', str(exc)):
+                    # the route itself is missing (the framework's 404), not an adapter vLLM could not read
+                    raise PublishError(f"replica {url} has no /v1/load_lora_adapter route ({exc}): start vLLM with "
+                                       "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (or give the address "
+                                       "of a vLLM server)") from None
                 if attempt == self.retries:
                     if " 404:" in str(exc):
                         raise PublishError(f"replica {url} cannot read the adapter {adapter} ({exc}); every replica "

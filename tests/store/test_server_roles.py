@@ -346,3 +346,13 @@ def test_a_runner_whose_token_may_not_lease_stops_at_once_with_the_403(served, m
             worker.serve(idle_exit=20)
     assert time.monotonic() - started < 10
     assert [e.status for e in admin.queue_entries()] == ["queued"]  # the try is still there for a runner that may
+
+
+def test_a_shared_gateway_whose_store_token_cannot_read_stops_at_start(served, minted, tmp_path):
+    """--shared reads every rollout back: a runner-only token is refused before serving, not on every call."""
+    env = {**os.environ, "LIGHTNING_RL_STORE_TOKEN": minted["runner"].token}
+    result = subprocess.run([sys.executable, "-m", "lightning_rl.cli", "gateway", "--shared", "--token", "g" * 32,
+                             "--store", served.url, "--upstream", "http://127.0.0.1:9", "--port", str(_free_port())],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "HTTP 403" in result.stderr and "reader" in result.stderr and "Traceback" not in result.stderr

@@ -57,3 +57,32 @@ def test_a_traced_call_goes_to_the_live_version_s_own_name_and_is_stamped_with_i
     calls = [t.llm_calls[0] for t in lrl.trajectories(traced)]
     # the model asked for is kept (samples are routed to policies by it); the version is the one that answered
     assert [(c.model, c.policy_version) for c in calls] == [("policy", 3), ("policy", 4), ("policy", 5)]
+
+
+def test_a_server_without_the_lora_route_is_named_with_the_flag_at_once(tmp_path):
+    """An OpenAI-compatible server that lists models but has no /v1/load_lora_adapter (not vLLM, or vLLM
+    without runtime LoRA updating): one error naming the flag, not three retries and a shared-path hint."""
+    import time
+
+    from fastapi import FastAPI
+
+    from lightning_rl.errors import PublishError
+    from lightning_rl.serving import ServerThread
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+
+    server = ServerThread(app, name="openai-like")
+    server.start("an OpenAI-like server")
+    try:
+        adapter = tmp_path / "v00001"
+        adapter.mkdir()
+        started = time.monotonic()
+        with pytest.raises(PublishError, match="has no /v1/load_lora_adapter route.*VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            Replicas(server.url, retries=3, backoff=0.5).publish("policy", 1, adapter)
+        assert time.monotonic() - started < 1.0  # not retried: the route will not appear
+    finally:
+        server.stop()
