@@ -35,19 +35,37 @@ _FRAMEWORKS = {
 }
 _done: set[str] = set()
 _lock = threading.RLock()
+# adapter module -> frameworks whose import finished inside that module's own import (``import
+# lightning_rl.adapters.langchain`` before LangChain): instrumented when the adapter module is done (module_ready)
+_pending: dict[str, list[str]] = {}
 
 
-def _instrument(framework: str) -> None:
+def _instrument(framework: str, *, ready: bool = False) -> None:
     """Instrument one framework once (never raises: a failure is logged once and counted)."""
     with _lock:
         if framework in _done:
             return
         _done.add(framework)
+    module, _, function = _FRAMEWORKS[framework].partition(":")
+    loaded = sys.modules.get(module)
+    if not ready and loaded is not None and getattr(getattr(loaded, "__spec__", None), "_initializing", False):
+        with _lock:  # the adapter is half-initialised: its last line (module_ready) instruments the framework
+            _pending.setdefault(module, []).append(framework)
+        return
     try:
-        module, _, function = _FRAMEWORKS[framework].partition(":")
         getattr(__import__(module, fromlist=[function or "instrument"]), function or "instrument")()
     except Exception as exc:
         report_failure(f"instrumenting {framework}", exc)
+
+
+def module_ready(module: str) -> None:
+    """The last line of every adapter module: instruments the frameworks whose import finished while the
+    adapter module itself was being imported (it imports its framework at its top)."""
+    with _lock:
+        frameworks = _pending.pop(module, [])
+        _done.difference_update(frameworks)
+    for framework in frameworks:
+        _instrument(framework, ready=True)
 
 
 def instrument_loaded() -> None:

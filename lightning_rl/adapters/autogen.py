@@ -136,3 +136,8 @@ def instrument() -> bool:
     if not hasattr(manager._select_speaker, _MARK):
         manager._select_speaker = _wrap_selector(manager._select_speaker)
     return True
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

@@ -52,3 +52,8 @@ def instrument() -> bool:
     record_tool(CrewStructuredTool, "invoke", _tool_name, _invoke_arguments)
     record_tool(CrewStructuredTool, "ainvoke", _tool_name, _invoke_arguments)
     return True
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

@@ -471,3 +471,8 @@ def instrument_aiohttp() -> bool:
 
 __all__ = ["endpoint_of", "instrument_aiohttp", "instrument_httpx", "instrument_httpx2", "instrument_requests",
            "instrumented_request"]
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

@@ -274,3 +274,8 @@ def instrument() -> LightningRLCallbackHandler:
         register_configure_hook(_handler_var, True)
         _handler = handler
     return _handler
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

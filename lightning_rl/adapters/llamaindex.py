@@ -46,3 +46,8 @@ def instrument() -> bool:
     record_tool(FunctionTool, "call", _tool_name, _arguments, _content)
     record_tool(FunctionTool, "acall", _tool_name, _arguments, _content)
     return True
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

@@ -141,3 +141,8 @@ def instrument() -> bool:
     add_trace_processor(_processor_class()())
     register_agent_resolver(current_agent)
     return True
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

@@ -75,3 +75,8 @@ def instrument() -> bool:
         provider.add_span_processor(ToolSpans())
         Agent.instrument_all(InstrumentationSettings(tracer_provider=provider, include_content=True))
     return True
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

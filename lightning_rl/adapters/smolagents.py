@@ -44,3 +44,8 @@ def instrument() -> bool:
     name_agent(MultiStepAgent, "run", lambda agent: getattr(agent, "name", None))
     record_tool(Tool, "__call__", lambda tool: getattr(tool, "name", None) or type(tool).__name__, _arguments)
     return True
+
+
+from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
+
+module_ready(__name__)

@@ -74,3 +74,40 @@ def test_a_failing_adapter_never_breaks_the_users_import():
         print("ok")
     """)
     assert result.stdout.strip() == "ok" and "instrumenting colorsys failed" in result.stderr
+
+
+@pytest.mark.parametrize(("adapter", "framework", "check"), [
+    ("langchain", "langchain_core", "adapter._handler is not None"),
+    ("autogen", "autogen_agentchat",
+     "hasattr(__import__('autogen_agentchat.agents', fromlist=['_base_chat_agent'])._base_chat_agent"
+     ".trace_invoke_agent_span, '__lightning_rl_original__')"),
+    ("openai_agents", "agents", "True"),
+    ("pydanticai", "pydantic_ai", "True"),
+])
+def test_an_adapter_module_imported_before_its_framework_instruments_it(adapter, framework, check):
+    """`import lightning_rl.adapters.langchain` first: the framework's import finishes inside the adapter's own,
+    while the adapter is half-initialised; it is instrumented once the adapter module is done, not counted failed.
+    (Adapters that import their framework lazily get it instrumented by its later import.)"""
+    pytest.importorskip(framework)
+    _python(f"""
+        import sys
+        assert {framework!r} not in sys.modules
+        import lightning_rl.adapters.{adapter} as adapter
+        import {framework}  # imported by the adapter already, or now
+        import lightning_rl
+        from lightning_rl import adapters
+        assert {framework!r} in adapters._done, adapters._done
+        assert lightning_rl.stats() == {{}}, lightning_rl.stats()
+        assert {check}
+    """)
+
+
+def test_every_adapter_module_ends_by_instrumenting_what_waited_for_it():
+    import re
+    from pathlib import Path
+
+    from lightning_rl import adapters
+
+    for module in {target.partition(":")[0] for target in adapters._FRAMEWORKS.values()}:
+        source = Path(adapters.__file__).with_name(module.rpartition(".")[2] + ".py").read_text()
+        assert re.search(r"\nmodule_ready\(__name__\)\n*$", source), f"{module} does not end with module_ready(__name__)"
