@@ -40,15 +40,17 @@ def create_app(gateway: Gateway) -> Any:
     async def sweep() -> None:
         every = min(60.0, gateway.idle_timeout / 4)
         while True:
-            try:  # first at start: what a gateway killed before this one left running
-                await asyncio.to_thread(gateway.expire_orphans)
-            except Exception as exc:
-                report_failure("gateway orphan sweep", exc)
-            await asyncio.sleep(every)
-            try:
-                await asyncio.to_thread(gateway.expire_idle)
-            except Exception as exc:
-                report_failure("gateway idle sweep", exc)
+            for what, fn in (("orphan", gateway.expire_orphans), ("idle", gateway.expire_idle)):
+                try:  # the orphans first at start: what a gateway killed before this one left running
+                    await asyncio.to_thread(fn)
+                except RuntimeError as exc:
+                    if "after shutdown" in str(exc):  # the interpreter is exiting (a gateway on a daemon thread)
+                        return
+                    report_failure(f"gateway {what} sweep", exc)
+                except Exception as exc:
+                    report_failure(f"gateway {what} sweep", exc)
+                if what == "orphan":
+                    await asyncio.sleep(every)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
