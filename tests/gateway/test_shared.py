@@ -68,15 +68,23 @@ def shared_store(request, tmp_path):
         yield server.url, lambda: SQLiteStore(db, read_only=True)
 
 
+@pytest.fixture
+def fake():
+    """A fake engine on a thread, and the user messages it was sent."""
+    hits: list[str] = []
+    engine = ServerThread(fake_engine("e", hits), name="fake-e")
+    engine.start("a fake engine")
+    yield engine, hits
+    engine.stop()
+
+
 def _user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-def test_a_rollout_opened_on_one_gateway_goes_on_through_the_other_in_order(shared_store, tmp_path):
+def test_a_rollout_opened_on_one_gateway_goes_on_through_the_other_in_order(shared_store, fake, tmp_path):
     store_arg, reader = shared_store
-    hits: list[str] = []
-    engine = ServerThread(fake_engine("e", hits), name="fake-e")
-    engine.start("a fake engine")
+    engine, hits = fake
     (a, url_a), (b, url_b) = (_gateway(engine.url, store_arg, tmp_path, n) for n in ("a", "b"))
     try:
         opened = httpx.post(f"{url_a}/v1/rollouts", headers=ADMIN, json={"task": {"q": 1}, "agent": "solver"}).json()
@@ -123,14 +131,11 @@ def test_a_rollout_opened_on_one_gateway_goes_on_through_the_other_in_order(shar
                                                                                ("step", 0.5, 2)]
     finally:
         _stop(a, b)
-        engine.stop()
 
 
-def test_a_gateway_killed_mid_rollout_loses_nothing_the_other_finishes_it(shared_store, tmp_path):
+def test_a_gateway_killed_mid_rollout_loses_nothing_the_other_finishes_it(shared_store, fake, tmp_path):
     store_arg, reader = shared_store
-    hits: list[str] = []
-    engine = ServerThread(fake_engine("e", hits), name="fake-e")
-    engine.start("a fake engine")
+    engine, hits = fake
     (a, url_a), (b, url_b) = (_gateway(engine.url, store_arg, tmp_path, n) for n in ("a", "b"))
     try:
         opened = httpx.post(f"{url_a}/v1/rollouts", headers=ADMIN, json={"task": "t"}).json()
@@ -154,33 +159,27 @@ def test_a_gateway_killed_mid_rollout_loses_nothing_the_other_finishes_it(shared
         assert rewards == [(0.25, 2), (1.0, None)]
     finally:
         _stop(a, b)
-        engine.stop()
 
 
-def test_shared_keys_open_only_their_own_rollout_and_a_forged_one_nothing(traced):
-    hits: list[str] = []
-    engine = ServerThread(fake_engine("e", hits), name="fake-e")
-    engine.start("a fake engine")
-    try:
-        with BackgroundGateway([engine.url], token=TOKEN, shared=True) as one, \
-                BackgroundGateway([engine.url], token=TOKEN, shared=True) as two, \
-                BackgroundGateway([engine.url], token="another token", shared=True) as other:
-            first = httpx.post(f"{one.url}/v1/rollouts", headers=ADMIN, json={"task": 1}).json()
-            second = httpx.post(f"{one.url}/v1/rollouts", headers=ADMIN, json={"task": 2}).json()
-            key = first["api_key"]
-            refused = httpx.post(f"{two.url}/rollouts/{second['rollout_id']}/v1/chat/completions",
-                                 headers={"Authorization": f"Bearer {key}"},
-                                 json={"model": "m", "messages": [_user("x")]})
-            assert refused.status_code == 403
-            forged = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
-            assert _call(two.url, forged, [_user("x")]).status_code == 401
-            assert _call(other.url, key, [_user("x")]).status_code == 401  # another token: not its key
-            assert hits == []
-            assert _call(two.url, key, [_user("y")]).status_code == 200
-            assert httpx.get(f"{two.url}/v1/upstreams").status_code == 401
-            assert httpx.get(f"{two.url}/v1/upstreams", headers=ADMIN).json() == {"upstreams": [engine.url]}
-    finally:
-        engine.stop()
+def test_shared_keys_open_only_their_own_rollout_and_a_forged_one_nothing(traced, fake):
+    engine, hits = fake
+    with BackgroundGateway([engine.url], token=TOKEN, shared=True) as one, \
+            BackgroundGateway([engine.url], token=TOKEN, shared=True) as two, \
+            BackgroundGateway([engine.url], token="another token", shared=True) as other:
+        first = httpx.post(f"{one.url}/v1/rollouts", headers=ADMIN, json={"task": 1}).json()
+        second = httpx.post(f"{one.url}/v1/rollouts", headers=ADMIN, json={"task": 2}).json()
+        key = first["api_key"]
+        refused = httpx.post(f"{two.url}/rollouts/{second['rollout_id']}/v1/chat/completions",
+                             headers={"Authorization": f"Bearer {key}"},
+                             json={"model": "m", "messages": [_user("x")]})
+        assert refused.status_code == 403
+        forged = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+        assert _call(two.url, forged, [_user("x")]).status_code == 401
+        assert _call(other.url, key, [_user("x")]).status_code == 401  # another token: not its key
+        assert hits == []
+        assert _call(two.url, key, [_user("y")]).status_code == 200
+        assert httpx.get(f"{two.url}/v1/upstreams").status_code == 401
+        assert httpx.get(f"{two.url}/v1/upstreams", headers=ADMIN).json() == {"upstreams": [engine.url]}
 
 
 def test_shared_without_a_token_is_refused_in_one_line():
@@ -227,24 +226,19 @@ def test_two_gateways_over_vllm_record_one_rollout_streamed_and_not(vllm_url, tm
         _stop(a, b)
 
 
-def test_a_gateway_stopped_gracefully_leaves_its_shared_rollouts_open_for_the_others(traced):
+def test_a_gateway_stopped_gracefully_leaves_its_shared_rollouts_open_for_the_others(traced, fake):
     """A rolling restart: a shared gateway that stops ends none of the rollouts (a lone gateway ends
     them failed: their keys die with it); another finishes them."""
-    hits: list[str] = []
-    engine = ServerThread(fake_engine("e", hits), name="fake-e")
-    engine.start("a fake engine")
-    try:
-        with BackgroundGateway([engine.url], token=TOKEN, shared=True) as two:
-            with BackgroundGateway([engine.url], token=TOKEN, shared=True) as one:
-                opened = httpx.post(f"{one.url}/v1/rollouts", headers=ADMIN, json={"task": 1}).json()
-                assert _call(one.url, opened["api_key"], [_user("one")]).status_code == 200
-            traced.flush()
-            assert traced.get_rollout(opened["rollout_id"]).status == RolloutStatus.RUNNING
-            assert _call(two.url, opened["api_key"], [_user("two")]).status_code == 200
-            done = httpx.post(f"{two.url}/v1/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0},
-                              headers={"Authorization": f"Bearer {opened['api_key']}"})
-            assert done.status_code == 200, done.text
-        traj = lrl.trajectory(traced, opened["rollout_id"])
-        assert traj.status == RolloutStatus.SUCCEEDED and [c.index for c in traj.llm_calls] == [0, 1]
-    finally:
-        engine.stop()
+    engine, hits = fake
+    with BackgroundGateway([engine.url], token=TOKEN, shared=True) as two:
+        with BackgroundGateway([engine.url], token=TOKEN, shared=True) as one:
+            opened = httpx.post(f"{one.url}/v1/rollouts", headers=ADMIN, json={"task": 1}).json()
+            assert _call(one.url, opened["api_key"], [_user("one")]).status_code == 200
+        traced.flush()
+        assert traced.get_rollout(opened["rollout_id"]).status == RolloutStatus.RUNNING
+        assert _call(two.url, opened["api_key"], [_user("two")]).status_code == 200
+        done = httpx.post(f"{two.url}/v1/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0},
+                          headers={"Authorization": f"Bearer {opened['api_key']}"})
+        assert done.status_code == 200, done.text
+    traj = lrl.trajectory(traced, opened["rollout_id"])
+    assert traj.status == RolloutStatus.SUCCEEDED and [c.index for c in traj.llm_calls] == [0, 1]
