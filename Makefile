@@ -66,10 +66,17 @@ venv-peer: .venv-peer/.stamp
 # The Node.js agent of the gateway tests and example: the official openai npm package, pinned by
 # examples/gateway_node/package-lock.json, installed into the repo (nothing is fetched at test time).
 NODE_DIR := examples/gateway_node
+CLI_DIR := examples/cli_agents
 $(NODE_DIR)/node_modules/.stamp: $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
 	touch $@
-node-deps: $(NODE_DIR)/node_modules/.stamp
+node-deps: $(NODE_DIR)/node_modules/.stamp $(CLI_DIR)/node_modules/.stamp
+
+# The coding-agent CLIs (Claude Code, Codex, opencode) the gateway's CLI tests run, pinned by
+# examples/cli_agents/package-lock.json (with their platform binaries; nothing is fetched at test time).
+$(CLI_DIR)/node_modules/.stamp: $(CLI_DIR)/package.json $(CLI_DIR)/package-lock.json
+	cd $(CLI_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
 
 # Debian's chromium for the viewer's browser test (Playwright for Python drives it by its path; no
 # browser is downloaded). Installed from Debian's packages when missing.
