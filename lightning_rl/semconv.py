@@ -51,6 +51,11 @@ FRAMEWORK_RUN_ID = "lightning_rl.framework.run_id"  # e.g. LangChain's run id of
 TOOL_ARGUMENTS = "gen_ai.tool.call.arguments"
 TOOL_RESULT = "gen_ai.tool.call.result"
 LANGGRAPH_NODE = "lightning_rl.langgraph.node"
+# A tool call made through an MCP client session (adapters/mcp.py): OpenTelemetry's MCP attributes, and the
+# server's name as it introduced itself (OpenTelemetry has no attribute for it).
+MCP_METHOD_NAME = "mcp.method.name"
+MCP_PROTOCOL_VERSION = "mcp.protocol.version"
+MCP_SERVER_NAME = "lightning_rl.mcp.server.name"
 
 # Values of TOKEN_IDS_SOURCE.
 SOURCE_ENGINE = "engine"

@@ -53,6 +53,10 @@ def _ours(name: str, attributes: dict[str, Any], agent: str | None) -> Iterator[
         return
     agent_token = _agent.set(agent) if agent is not None else None
     span_token = _our_span.set(span)
+    # a tool's span: an MCP call the tool makes is this span's, not a second one (adapters/mcp.py)
+    tool_state = _rollout.get() if attributes.get(semconv.GEN_AI_OPERATION_NAME) == semconv.OP_EXECUTE_TOOL else None
+    if tool_state is not None:
+        tool_state.framework_tool_started()
     try:
         yield span
     except BaseException as error:
@@ -60,6 +64,8 @@ def _ours(name: str, attributes: dict[str, Any], agent: str | None) -> Iterator[
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         raise
     finally:
+        if tool_state is not None:
+            tool_state.framework_tool_ended()
         span.end()
         for var, token in ((_our_span, span_token), (_agent, agent_token)):
             if token is not None:

@@ -77,6 +77,7 @@ class _Run:
     parent: "_Run | None"
     agent: str | None
     rollout_id: str
+    tool_of: Any = None  # a tool run's rollout state: the framework tool it counts ends with the run
 
     def nearest_span(self) -> Any:
         run: _Run | None = self
@@ -109,6 +110,8 @@ class LightningRLCallbackHandler(BaseCallbackHandler):
     def _end(self, run_id: UUID, error: BaseException | None = None, result: Any = None) -> None:
         with self._lock:
             run = self._runs.pop(run_id, None)
+        if run is not None and run.tool_of is not None:
+            run.tool_of.framework_tool_ended()
         if run is None or run.span is None:
             return
         if result is not None:
@@ -178,7 +181,8 @@ class LightningRLCallbackHandler(BaseCallbackHandler):
             attrs[semconv.GEN_AI_AGENT_NAME] = agent
         span = self._start_span(f"execute_tool {tool}", parent, attrs)
         with self._lock:
-            self._runs[run_id] = _Run(span, parent, agent, state.rollout_id)
+            self._runs[run_id] = _Run(span, parent, agent, state.rollout_id, tool_of=state)
+        state.framework_tool_started()  # an MCP call the tool makes is this span's (adapters/mcp.py)
 
     @_never_raises("langchain tool end")
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:

@@ -108,7 +108,8 @@ def record_tool(cls: type, attr: str, name_of: Callable[[Any], str], arguments_o
     gives the arguments as the model sent them; ``result_of(result)`` what the model is told."""
 
     def opened(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
-        if current_rollout() is None:
+        state = current_rollout()
+        if state is None:
             return None
         try:
             name = str(name_of(self))
@@ -116,13 +117,21 @@ def record_tool(cls: type, attr: str, name_of: Callable[[Any], str], arguments_o
                 return None
             span = tool_span(name, arguments=arguments_of(self, args, kwargs))
             handle = span.__enter__()
-            return span, handle, _open_tool.set(name)
+            token = _open_tool.set(name)
+            state.framework_tool_started()  # an MCP call the tool makes is this span's (adapters/mcp.py)
+            return span, handle, token
         except Exception as exc:  # the tool runs unrecorded
             report_failure(f"tool span of {type(self).__name__}", exc)
             return None
 
-    def closed(span: Any, handle: Any, token: Any, result: Any) -> None:
+    def ended(token: Any) -> None:
         _open_tool.reset(token)
+        state = current_rollout()
+        if state is not None:
+            state.framework_tool_ended()
+
+    def closed(span: Any, handle: Any, token: Any, result: Any) -> None:
+        ended(token)
         try:
             handle.result = result_of(result)
         except Exception as exc:
@@ -130,7 +139,7 @@ def record_tool(cls: type, attr: str, name_of: Callable[[Any], str], arguments_o
         span.__exit__(None, None, None)
 
     def failed(span: Any, token: Any, exc: BaseException) -> None:
-        _open_tool.reset(token)
+        ended(token)
         span.__exit__(type(exc), exc, exc.__traceback__)  # on the span; the caller raises it as it was
 
     def wrapper(original: Any) -> Any:

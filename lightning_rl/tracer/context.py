@@ -37,6 +37,18 @@ class RolloutState:
     # (name, arguments, id, agent) of the tool calls the model asked for and no tool span has claimed yet:
     # a framework whose tool hook has no call id gets it, and the agent that asked, from here (claim_tool_call)
     tool_calls_asked: list[tuple[str, str, str, str | None]] = field(default_factory=list)
+    # tools a framework adapter is running now and will record as its own span (framework_tool_started):
+    # a lower layer (an MCP client session) that sees the same call records no second span for it
+    framework_tools: int = 0
+
+    def framework_tool_started(self) -> None:
+        """A framework adapter started running a tool it records as a tool span (pair with ``..._ended``)."""
+        with self.lock:
+            self.framework_tools += 1
+
+    def framework_tool_ended(self) -> None:
+        with self.lock:
+            self.framework_tools = max(0, self.framework_tools - 1)
 
     def next_llm_call(self) -> int:
         self.llm_calls += 1

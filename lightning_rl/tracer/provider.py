@@ -485,9 +485,10 @@ def _tool_attributes(name: str, call_id: str | None, arguments: Any, agent: str 
 
 def record_finished_tool_span(name: str, *, call_id: str | None = None, arguments: Any = None, result: Any = None,
                               agent: str | None = None, start_ns: int | None = None, end_ns: int | None = None,
-                              error: str | None = None) -> None:
+                              error: str | None = None, attributes: dict[str, Any] | None = None) -> None:
     """A tool call a framework reports after it ran (its hook gives times, arguments and result): an
-    ``execute_tool {name}`` span of the active rollout. Never raises."""
+    ``execute_tool {name}`` span of the active rollout, with the framework's own ``attributes`` added.
+    Never raises."""
     if _rollout.get() is None:
         return
     try:
@@ -496,6 +497,7 @@ def record_finished_tool_span(name: str, *, call_id: str | None = None, argument
         attrs = _tool_attributes(name, call_id, arguments, agent or current_agent_name())
         if result is not None:
             attrs[semconv.TOOL_RESULT] = result if isinstance(result, str) else _json(result)
+        attrs.update(attributes or {})
         span = tracing.tracer.start_span(f"execute_tool {name}", context=parent_context(), attributes=attrs,
                                          start_time=start_ns)
         if error:
