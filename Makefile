@@ -7,11 +7,12 @@ VLLM_VENV := .venv-vllm
 VERL_VENV := .venv-verl
 VERL_E2E_VENV := .venv-verl-e2e
 FRAMEWORKS_VENV := .venv-frameworks
+ADK_VENV := .venv-adk
 MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-peer node-deps browser postgres screenshots model test test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres screenshots model test test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
 all: venv venv-vllm model node-deps browser postgres
 
@@ -41,6 +42,14 @@ $(FRAMEWORKS_VENV)/.stamp: pyproject.toml constraints-frameworks.txt
 		pytest-asyncio crewai llama-index-core llama-index-llms-openai-like
 	touch $@
 venv-frameworks: $(FRAMEWORKS_VENV)/.stamp
+
+# Google ADK in its own environment: it pins OpenTelemetry <= 1.44 (the main one and CrewAI's have 1.45). Its
+# suite (tests/adapters/test_google_adk_vllm.py) runs there against the real vLLM server.
+$(ADK_VENV)/.stamp: pyproject.toml constraints-adk.txt
+	$(PYTHON) -m venv $(ADK_VENV)
+	$(ADK_VENV)/bin/pip install $(PIP_FLAGS) -c constraints-adk.txt -e '.[server,adk]' pytest pytest-asyncio
+	touch $@
+venv-adk: $(ADK_VENV)/.stamp
 
 # verl in its own environment too: it pins transformers < 5.11 (the main one has LangChain's newer
 # transformers and vLLM has its own). Its suite (pytest -m verl) checks our batches and math
@@ -100,10 +109,11 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
-test: all venv-verl venv-frameworks venv-verl-e2e
+test: all venv-verl venv-frameworks venv-adk venv-verl-e2e
 	$(PY) -m pytest -q
 	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
 	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
+	$(ADK_VENV)/bin/python -m pytest -q tests/adapters/test_google_adk_vllm.py
 	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
 
 # verl's main_ppo (V1, sync) for 2 steps on CPU through `lightning-rl train verl`, then its checkpoint through the
@@ -117,7 +127,7 @@ test-fast: venv postgres
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):
 # no test may depend on what one sampled model says. SEED=7 make test-other-seed
 SEED ?= 1
-test-other-seed: all venv-verl venv-frameworks venv-verl-e2e
+test-other-seed: all venv-verl venv-frameworks venv-adk venv-verl-e2e
 	MODEL_ARGS="$(MODEL_ARGS)" scripts/vllm_tests_other_seed.sh $(SEED)
 
 # The soak test for as long as docs/reliability.md quotes it (make test runs it for 120 s).
@@ -174,4 +184,4 @@ bench: all venv-peer postgres
 	$(PY) bench/bench_judge.py --json-out .cache/bench-judge.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(VERL_E2E_VENV) $(FRAMEWORKS_VENV) .venv-peer .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(VERL_E2E_VENV) $(FRAMEWORKS_VENV) $(ADK_VENV) .venv-peer .cache

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the tiny model with another seed into a temporary directory and run every vLLM-marked test
 # against it (the main suite, the verl agent-loop test in .venv-verl, CrewAI and LlamaIndex in
-# .venv-frameworks, verl's own trainer end to end in .venv-verl-e2e). A test that passes only
+# .venv-frameworks, Google ADK in .venv-adk, verl's own trainer end to end in .venv-verl-e2e). A test that passes only
 # because of what one sampled model says fails here. Run it before resolving an issue that touches
 # vLLM tests.
 #
@@ -26,6 +26,9 @@ if [ -x .venv-verl/bin/python ]; then
 fi
 if [ -x .venv-frameworks/bin/python ]; then  # CrewAI and LlamaIndex (they pin openai < 3)
   .venv-frameworks/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py "$@" || status=$?
+fi
+if [ -x .venv-adk/bin/python ]; then  # Google ADK (it pins OpenTelemetry <= 1.44)
+  .venv-adk/bin/python -m pytest -q tests/adapters/test_google_adk_vllm.py "$@" || status=$?
 fi
 if [ -x .venv-verl-e2e/bin/python ]; then  # verl's main_ppo on CPU, the checkpoint through the gate
   .venv-verl-e2e/bin/python -m pytest -q -m verl_e2e tests/verl_e2e "$@" || status=$?

@@ -27,6 +27,7 @@ _FRAMEWORKS = {
     "smolagents": "lightning_rl.adapters.smolagents:instrument",
     "crewai": "lightning_rl.adapters.crewai:instrument",
     "llama_index.core": "lightning_rl.adapters.llamaindex:instrument",  # llama_index is a namespace package
+    "google.adk": "lightning_rl.adapters.google_adk:instrument",  # Google ADK (google is a namespace package)
     "mcp": "lightning_rl.adapters.mcp:instrument",  # the MCP SDK's client sessions: tool calls (mcp.py)
     # HTTP clients: LLM calls that bypass the instrumented OpenAI client are seen there (http_clients.py)
     "httpx": "lightning_rl.adapters.http_clients:instrument_httpx",
