@@ -56,6 +56,12 @@ LANGGRAPH_NODE = "lightning_rl.langgraph.node"
 MCP_METHOD_NAME = "mcp.method.name"
 MCP_PROTOCOL_VERSION = "mcp.protocol.version"
 MCP_SERVER_NAME = "lightning_rl.mcp.server.name"
+# A call of a coding-agent CLI through the gateway (gateway/coding_agents.py): the model name it asked for, when
+# the gateway sent it as its rollout's policy; the CLI's own id of the (sub-)agent that made it; and its line:
+# "subagent", "compaction" (the call that summarises a context) or "compacted" (a call on a summarised context).
+ASKED_MODEL = "lightning_rl.request.model_asked"
+GEN_AI_AGENT_ID = "gen_ai.agent.id"
+CALL_LINEAGE = "lightning_rl.call.lineage"
 
 # Values of TOKEN_IDS_SOURCE.
 SOURCE_ENGINE = "engine"

@@ -137,6 +137,33 @@ def vllm_url(tmp_path_factory):
         yield server.base_url
 
 
+# The window of ``vllm_long_url``: the coding-agent CLIs' requests (system prompt, tool schemas and the
+# conversation) are tens of thousands of characters, about one token each for the tiny model.
+LONG_MAX_MODEL_LEN = 131072
+
+
+@pytest.fixture(scope="session")
+def vllm_long_url(tmp_path_factory):
+    """Base URL (``.../v1``) of a second real vLLM server serving the tiny model with a long window
+    (``LONG_MAX_MODEL_LEN`` tokens, its position embeddings overridden to match) for the coding-agent
+    CLIs (Claude Code, Codex, opencode), whose requests do not fit the default 2,048. No LoRA.
+
+    Set LIGHTNING_RL_TEST_VLLM_LONG_URL to reuse a running server during development.
+    """
+    import json
+
+    reuse = os.environ.get("LIGHTNING_RL_TEST_VLLM_LONG_URL")
+    if reuse:
+        yield reuse.rstrip("/") + "/v1"
+        return
+    server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, max_model_len=LONG_MAX_MODEL_LEN,
+                        extra_args=("--hf-overrides", json.dumps({"max_position_embeddings": LONG_MAX_MODEL_LEN}),
+                                    "--enable-prefix-caching"),
+                        log_path=tmp_path_factory.mktemp("vllm-long") / "server.log")
+    with server:
+        yield server.base_url
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from transformers import AutoTokenizer

@@ -295,11 +295,14 @@ def store_token(roles: tuple[str, ...], as_json: bool) -> None:
 @click.option("--shared", is_flag=True, default=False,
               help="Several gateways behind one plain balancer: keep each open rollout's state in the store, so "
                    "that any of them serves its next call (needs --token, the same on each; docs/fleet.md).")
+@click.option("--model", default=None, metavar="NAME",
+              help="Send every call to the engine as this served model, whatever name the agent asks for (coding "
+                   "CLIs ask for their vendor's models: Claude Code's claude-*); the name asked is kept on the call.")
 @click.option("--log-level", default="warning", show_default=True)
 @errors
 def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int, token: str | None,
             idle_timeout: float, redact: str | None, redacted_tokens: str | None, shared: bool,
-            log_level: str) -> None:
+            model: str | None, log_level: str) -> None:
     """Trace agents in any language: an OpenAI-compatible proxy that records rollouts into the store.
 
     Open a rollout with POST /v1/rollouts; point the agent's OpenAI client at the base_url (or use the
@@ -319,7 +322,7 @@ def gateway(upstreams: tuple[str, ...], store: str | None, host: str, port: int,
         # loaded first: a bad one ends the command, leaving no refused redaction in this process's set-up
         function = load_redactor(redact, what="--redact") if redact is not None else None
         _api.configure(redact=function, redacted_tokens=redacted_tokens)
-    proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None, shared=shared)  # bad upstreams are refused before the store is opened
+    proxy = Gateway(list(upstreams), token=token, idle_timeout=idle_timeout or None, shared=shared, model=model)  # bad upstreams are refused before the store is opened
     opened = open_store(store)
     if shared:  # every call reads the rollout back: a store token without the reader role fails here, not per call
         from ..errors import RolloutNotFoundError

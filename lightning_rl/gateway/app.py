@@ -12,13 +12,15 @@ from typing import Any
 
 import orjson
 
-from ..adapters.dialects import DIALECTS, Dialect
+from .. import semconv
+from ..adapters.dialects import DIALECTS, MESSAGES, RESPONSES, Dialect
 from ..adapters.dialects.chat import error as openai_error
 from ..boundaries import json_problem, message_problems
-from ..diagnostics import report_failure
+from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, GatewayError, OTLPDecodeError, OTLPTooLarge, TranslationError, UpstreamError
 from ..serving import GATEWAY, BackgroundService, check_bind, run
 from . import otlp
+from .coding_agents import claude_code_lineage, codex_lineage
 from .forwarding import Relay
 from .proxy import Gateway
 from .rollouts import OpenRollout
@@ -187,6 +189,8 @@ def _check_messages(messages: Any) -> None:
 # A call's path: under /v1 (rollout by key), a rollout's base URL, or an agent's.
 _CALL_PATH = re.compile(r"(?:/rollouts/(?P<rollout>[^/]+)(?:/agents/(?P<agent>[^/]+))?)?"
                         r"/v1/(?P<endpoint>chat/completions|completions|messages|responses)")
+_DOUBLED_V1 = re.compile(r"(?:/rollouts/[^/]+(?:/agents/[^/]+)?)?/v1/v1/(?P<endpoint>chat/completions|completions|"
+                         r"messages|responses)")
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -207,6 +211,17 @@ class _CallFront:
             if match is not None:
                 await self._call(scope, receive, send, *match.group("rollout", "agent", "endpoint"))
                 return
+            doubled = _DOUBLED_V1.fullmatch(scope["path"])
+            if doubled is not None:  # ANTHROPIC_BASE_URL set to a base URL ending in /v1: its client adds another
+                count("gateway_doubled_v1_paths")
+                message = (f"{scope['path']} has /v1 twice: this client adds /v1 itself, so give it the rollout's "
+                           "base URL without its /v1 (e.g. ANTHROPIC_BASE_URL=http://HOST:PORT/rollouts/ID)")
+                dialect = self.dialects.get(doubled.group("endpoint"))
+                body = orjson.dumps(dialect.error(404, message) if dialect else openai_error(404, message))
+                await send({"type": "http.response.start", "status": 404,
+                            "headers": [_JSON, (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
         await self.app(scope, receive, send)
 
     async def _call(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any],
@@ -220,9 +235,12 @@ class _CallFront:
                 active = self.gateway.rollout_for(rollout_id, headers)
             raw = await self._read(receive, headers)
             if dialect is None:
-                result = await self._chat(headers, raw, active, agent, endpoint)
+                answer = self._chat(headers, raw, active, agent, endpoint)
             else:
-                result = await self._translated(headers, raw, active, agent, dialect)
+                answer = self._translated(headers, raw, active, agent, dialect)
+            result = await _unless_hung_up(answer, receive)
+            if result is _HUNG_UP:
+                return
         except GatewayError as exc:
             shape = dialect.error(exc.status, exc.error) if dialect else openai_error(exc.status, exc.error, exc.details)
             result = exc.status, shape
@@ -289,7 +307,8 @@ class _CallFront:
             raise GatewayError(422, f"model must be the served model's name (a string), got {body.get('model')!r}")
         if path == "chat/completions":
             _check_messages(body.get("messages"))
-        return await self.gateway.forward(active, path, body, agent or headers.get(AGENT_HEADER))
+        notes = _served_as(active, body, self.gateway.model)
+        return await self.gateway.forward(active, path, body, agent or headers.get(AGENT_HEADER), attributes=notes)
 
     async def _translated(self, headers: dict[str, str], raw: bytes, active: OpenRollout, agent: str | None,
                           dialect: Dialect) -> Any:
@@ -299,15 +318,26 @@ class _CallFront:
             raise GatewayError(400, f"model must be the served model's name (a string), got {body.get('model')!r}")
         try:
             chat = dialect.to_chat(body)
-        except TranslationError as exc:
+        except TranslationError as exc:  # said to the agent, and kept on its rollout (an event of its root span)
+            count("gateway_requests_untranslatable")
+            with contextlib.suppress(Exception):
+                active.span.add_event("request refused", {"dialect": dialect.name, "error": str(exc)[:2000]})
             raise GatewayError(400, str(exc)) from None
         _check_messages(chat.get("messages"))
         chat["model"] = body["model"]
+        notes = _served_as(active, chat, self.gateway.model)
+        named = agent or headers.get(AGENT_HEADER)
+        if dialect is MESSAGES:  # Claude Code's sub-agents and compactions (coding_agents.py)
+            lineage, more = claude_code_lineage(headers, body)
+            named, notes = named or lineage, {**notes, **more}
+        elif dialect is RESPONSES:  # Codex's sub-agents and compactions (coding_agents.py)
+            lineage, more = codex_lineage(headers, body)
+            named, notes = named or lineage, {**notes, **more}
         stream = bool(chat.get("stream"))
         if stream:
             chat["stream_options"] = {"include_usage": True}  # the usage the final events carry
-        result = await self.gateway.forward(active, "chat/completions", chat, agent or headers.get(AGENT_HEADER),
-                                            render=dialect.stream(body) if stream else None)
+        result = await self.gateway.forward(active, "chat/completions", chat, named,
+                                            render=dialect.stream(body) if stream else None, attributes=notes)
         if isinstance(result, Relay):
             return result
         status, data = result
@@ -316,6 +346,45 @@ class _CallFront:
             message = detail.get("message") if isinstance(detail, dict) else str(detail)
             return status, dialect.error(status, f"the engine answered {status}: {message}")
         return 200, dialect.from_chat(data, body)
+
+
+_HUNG_UP = object()
+
+
+async def _unless_hung_up(answer: Any, receive: Callable[..., Any]) -> Any:
+    """``answer`` (a call waiting for the engine), or ``_HUNG_UP`` when the client hangs up first: the wait
+    is cancelled, so the engine's request is closed (it stops) and the call is recorded as cut, not
+    answered to nobody later (an agent killed at its timeout: ``lrl.command``). A stream's own wait for a
+    hang-up starts once it is answered (``_stream``)."""
+    work = asyncio.ensure_future(answer)
+
+    async def hung_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    count("gateway_calls_cut_by_client")
+    with contextlib.suppress(BaseException):
+        await work
+    return _HUNG_UP
+
+
+def _served_as(active: OpenRollout, body: dict[str, Any], gateway_model: str | None) -> dict[str, Any]:
+    """A rollout with a model of its own (``lrl.command``), else the gateway's (``--model``): the call goes
+    to the engine as it, whatever name was asked (in place in ``body``); the name asked, when another, is
+    kept on the call."""
+    model = active.model or gateway_model
+    if model is None or body.get("model") == model:
+        return {}
+    asked, body["model"] = body.get("model"), model
+    return {semconv.ASKED_MODEL: str(asked)}
 
 
 class BackgroundGateway(BackgroundService):

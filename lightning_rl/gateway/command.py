@@ -9,12 +9,14 @@ import atexit
 import contextlib
 import math
 import os
+import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
+from ..diagnostics import count
 from ..errors import CommandFailed, ConfigurationError
 from ..settings import ENV_MODEL, ENV_REWARDS_URL, ENV_ROLLOUT_ID, ENV_TASK
 from ..tracer.context import current_rollout
@@ -53,21 +55,38 @@ def _reward_of(stdout: bytes) -> float | None:
 
 def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None, name: str | None = None,
             agent: str | None = None, env: Mapping[str, str] | None = None, timeout: float | None = None,
-            mode: str | None = None) -> Callable[[Any], Any]:
+            mode: str | None = None, reward: Callable[[Any, str], float | None] | None = None,
+            model: str | None = None, stdin: Callable[[Any], str] | None = None,
+            cwd: str | os.PathLike[str] | None = None) -> Callable[[Any], Any]:
     """An agent that is a command: a traced async function ``agent(task)`` that runs ``argv`` once per
     rollout, for ``Trainer`` or any caller, in any language.
 
     The process gets the rollout's ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (an in-process gateway in
     front of ``upstream``, so every OpenAI-client call it makes is recorded with the engine's token
-    ids), the task as JSON on stdin and in ``LIGHTNING_RL_TASK``, and ``LIGHTNING_RL_REWARDS_URL``
-    (POST ``{"value": ..., "name": ...}``). A number on the last line of its output is the rollout's
-    reward. A non-zero exit fails the rollout with the end of its stderr (``CommandFailed``); a
-    ``timeout`` kills it.
+    ids), the same as ``ANTHROPIC_BASE_URL`` (without ``/v1``, as Anthropic's clients want it) and
+    ``ANTHROPIC_API_KEY`` (``ANTHROPIC_AUTH_TOKEN`` removed: no credential of yours reaches the gateway),
+    the task as JSON on stdin (``stdin(task)``: other text) and in ``LIGHTNING_RL_TASK``, and
+    ``LIGHTNING_RL_REWARDS_URL`` (POST ``{"value": ..., "name": ...}``). A number on the last line of its
+    output is the rollout's reward. It runs in a process group of its own, in ``cwd``.
+
+    Ends: a non-zero exit fails the rollout with the end of its stderr (else of its output) and raises
+    ``CommandFailed``; past ``timeout`` seconds (or when the call is cancelled) its whole process group
+    is killed and the rollout ends ``timed_out``, raising ``TimeoutError`` with the reason. Either way
+    every call it made is kept, and when it exits its group's leftovers (a shell it left in the
+    background) are killed too.
+
+    ``model``: every LLM call the process makes goes to the engine as this model, whatever name it asked
+    for (the name asked is kept on the call: ``lightning_rl.request.model_asked``); a CLI that asks for
+    its vendor's names (Claude Code's ``claude-opus-*``) is served by the policy.
 
     ``upstream=None``: each rollout's engine is the endpoint its caller chose (``lrl.current_endpoint()``:
     a verl server, when a runner runs a try verl queued), and the process also gets that endpoint's model
-    name in ``LIGHTNING_RL_MODEL``; a rollout without an endpoint fails, naming the fix."""
-    if isinstance(argv, str) or not argv or not all(isinstance(a, str) and a for a in argv):
+    name in ``LIGHTNING_RL_MODEL`` (and, without ``model``, every call is sent as it); a rollout without an
+    endpoint fails, naming the fix.
+
+    ``reward``: the rollout's reward is ``reward(task, stdout)`` (the process's output, as text) instead of
+    the number on its last line (the coding-agent CLIs, whose last line is the model's answer)."""
+    if isinstance(argv, str) or not argv or not argv[0] or not all(isinstance(a, str) for a in argv):
         raise ConfigurationError(f"command needs the program and its arguments as a list of strings, e.g. "
                                  f"['node', 'agent.mjs'], got {argv!r}")
     fixed = None if upstream is None else [upstream] if isinstance(upstream, str) else list(upstream)
@@ -78,38 +97,56 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
 
     @trace(name=name or os.path.basename(argv[-1]), agent=agent, mode=mode)
     async def run(task: Any) -> float | None:
-        upstreams, model = fixed, None
+        upstreams, served, endpoint_model = fixed, model, None
         if upstreams is None:
             endpoint = current_endpoint()
             if endpoint is None:
                 raise ConfigurationError("lrl.command(upstream=None) runs against the endpoint its caller chose, and "
                                          "this rollout has none; give upstream='http://HOST:PORT' (the engine)")
-            upstreams, model = [endpoint[0].rstrip("/").removesuffix("/v1")], endpoint[1]
+            upstreams, endpoint_model = [endpoint[0].rstrip("/").removesuffix("/v1")], endpoint[1]
+            served = served or endpoint_model
         gw = local_gateway(upstreams)
         state = current_rollout()
-        opened = gw.gateway.adopt(state, current_our_span(), gw.url)
+        opened = gw.gateway.adopt(state, current_our_span(), gw.url, model=served)
         task_json = orjson.dumps(task).decode()
         child_env = {**os.environ, **extra, "OPENAI_BASE_URL": opened["base_url"], "OPENAI_API_KEY": opened["api_key"],
-                     ENV_ROLLOUT_ID: state.rollout_id, ENV_TASK: task_json, **({ENV_MODEL: model} if model else {}),
+                     # Anthropic's clients add /v1 themselves
+                     "ANTHROPIC_BASE_URL": opened["base_url"].removesuffix("/v1"),
+                     "ANTHROPIC_API_KEY": opened["api_key"],
+                     ENV_ROLLOUT_ID: state.rollout_id, ENV_TASK: task_json,
+                     **({ENV_MODEL: endpoint_model or served} if endpoint_model or served else {}),
                      ENV_REWARDS_URL: f"{gw.url}/v1/rollouts/{state.rollout_id}/rewards",
                      # an agent instrumented with an OpenTelemetry SDK sends its spans to its rollout
                      "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": opened["base_url"] + "/traces",
                      "OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"authorization=Bearer%20{opened['api_key']}"}
+        child_env.pop("ANTHROPIC_AUTH_TOKEN", None)  # it would be sent instead of the rollout's key
+        given = (task_json if stdin is None else stdin(task)).encode() + b"\n"
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env,
-                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env, cwd=cwd,
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                        start_new_session=True)  # its group: killed with it
             try:
-                out, err = await asyncio.wait_for(proc.communicate(task_json.encode() + b"\n"), timeout)
-            except BaseException:  # timed out or cancelled: the process goes too
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                out, err = await asyncio.wait_for(proc.communicate(given), timeout)
+            except BaseException as exc:  # timed out or cancelled: the process and its group go too
+                _kill_group(proc.pid)
                 await proc.wait()
+                if isinstance(exc, TimeoutError):
+                    count("command_timeouts")
+                    raise TimeoutError(f"{' '.join(argv)} ran past its timeout of {timeout:g} s; its process group "
+                                       "was killed (the calls it made are kept)") from None
                 raise
+            _kill_group(proc.pid)  # what it left running in the background
         finally:
             gw.gateway.release(state.rollout_id)
         if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip()[-2000:]
-            raise CommandFailed(f"{' '.join(argv)} exited with status {proc.returncode}: {tail or '(no stderr)'}")
-        return _reward_of(out)
+            tail = err.decode(errors="replace").strip()[-2000:] or out.decode(errors="replace").strip()[-2000:]
+            raise CommandFailed(f"{' '.join(argv)} exited with status {proc.returncode}: {tail or '(no output)'}")
+        return _reward_of(out) if reward is None else reward(task, out.decode(errors="replace"))
 
     return run
+
+
+def _kill_group(pgid: int) -> None:
+    """Kill a command's process group (it leads one of its own: ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

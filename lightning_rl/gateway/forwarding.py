@@ -79,22 +79,30 @@ class Forwarding:
                     pass
 
     def start_call(self, active: OpenRollout, op: str, body: dict[str, Any], agent: str | None,
-                   upstream: str) -> CapturedCall:
+                   upstream: str, attributes: dict[str, Any] | None = None) -> CapturedCall:
         with self._in_rollout(active, agent):
             if op == semconv.OP_CHAT:
                 self._tool_spans(active, body)
-            return CapturedCall(self._servers[upstream], body, op, active.state, json=True)
+            call = CapturedCall(self._servers[upstream], body, op, active.state, json=True)
+        if attributes:  # what the call front knows of it (the model name asked for, a CLI's lineage)
+            call.span.set_attributes(attributes)
+        return call
 
     async def forward(self, active: OpenRollout, path: str, body: dict[str, Any], agent: str | None,
-                      render: Any = None) -> Any:
+                      render: Any = None, attributes: dict[str, Any] | None = None) -> Any:
         """Send one call to an engine and record it; returns (status, JSON) or a ``Relay`` of SSE bytes
-        (the engine's chunks as ``render`` writes them: by default as the engine sent them)."""
+        (the engine's chunks as ``render`` writes them: by default as the engine sent them); ``attributes``
+        go on the call's span."""
         op = ENDPOINTS[path]
         errors: list[str] = []
         for upstream in self._pick(active):
-            call = self.start_call(active, op, body, agent, upstream)
+            call = self.start_call(active, op, body, agent, upstream, attributes)
             try:
                 result = await self._send(call, upstream, path, body, render or ChatRenderer())
+            except asyncio.CancelledError:  # the agent hung up while the engine worked: recorded as cut
+                call.finish(incomplete=True, error=ConnectionAbortedError("the agent hung up before the engine "
+                                                                          "answered"))
+                raise
             except UpstreamError as exc:
                 self._down_until[upstream] = time.monotonic() + self.down_for
                 errors.append(f"{upstream}: {exc}")

@@ -9,8 +9,10 @@ same rollouts and rewards, in whatever store the tracer writes to (a SQLite file
 
 Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "code": status, "details": [...]}}``):
 
-* ``POST /v1/rollouts`` ``{task, group_id?, attempt?, mode?, agent?, name?}`` opens a rollout and
-  answers ``{rollout_id, base_url, api_key}``. ``base_url`` (``.../rollouts/{id}/v1``) and ``api_key``
+* ``POST /v1/rollouts`` ``{task, group_id?, attempt?, mode?, agent?, name?, model?}`` opens a rollout and
+  answers ``{rollout_id, base_url, api_key}``; ``model``: every call of the rollout goes to the engine as
+  this served model, whatever name the agent asks for (a CLI asking for its vendor's names; the name
+  asked is kept on the call, ``lightning_rl.request.model_asked``). ``base_url`` (``.../rollouts/{id}/v1``) and ``api_key``
   each route a client's calls to the rollout alone, so an unmodified client that lets you set only
   one of them works.
 * ``POST .../v1/chat/completions`` and ``POST .../v1/completions``, streamed (SSE) or not, under the
@@ -20,6 +22,10 @@ Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "cod
   call: ``.../rollouts/{id}/agents/{agent}/v1/...`` or the ``X-Lightning-RL-Agent`` header.
 * ``POST .../v1/messages``: Anthropic Messages, sent to the engine as chat completions and answered
   in the Messages format, streamed or not (``adapters/dialects/anthropic.py``); the key also as ``x-api-key``.
+  Claude Code's sub-agent and compaction calls are named as such (``coding_agents.claude_code_lineage``). A
+  request the dialect cannot carry is answered 400 in the dialect's error shape and kept on the rollout (a
+  ``request refused`` event of its root span); a path with ``/v1`` twice (a client given a base URL with
+  ``/v1`` that adds its own) is answered 404 naming the fix.
 * ``POST .../v1/responses``: the OpenAI Responses API, the same way (``adapters/dialects/responses.py``).
 * ``POST /v1/traces`` (and under a rollout's path): OTLP/HTTP spans from the agent's own
   OpenTelemetry SDK, added to the rollout they name (``otlp.py``).
@@ -72,11 +78,13 @@ class Gateway(Auth, Rollouts, Forwarding, Shared):
     """The gateway's state: open rollouts, upstreams; who may do what (``auth.py``), the rollouts' lifecycle
     (``rollouts.py``) and the calls (``forwarding.py``). The app serving it is ``app.py``. ``shared``:
     rollouts live in the store, so that gateways behind a plain balancer serve each other's (``shared.py``;
-    needs ``token``, the same on each)."""
+    needs ``token``, the same on each). ``model``: every call goes to the engine as this served model,
+    whatever name the agent asked for (a CLI asking for its vendor's names), unless its rollout was opened
+    with a model of its own."""
 
     def __init__(self, upstreams: list[str], *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  down_for: float = 10.0, timeout: float = 600.0, idle_timeout: float | None = 3600.0,
-                 shared: bool = False) -> None:
+                 shared: bool = False, model: str | None = None) -> None:
         if not upstreams:
             raise ConfigurationError("the gateway needs at least one --upstream URL (an OpenAI-compatible engine, "
                                      "e.g. http://127.0.0.1:8000)")
@@ -89,10 +97,13 @@ class Gateway(Auth, Rollouts, Forwarding, Shared):
         if idle_timeout is not None and not (isinstance(idle_timeout, (int, float)) and idle_timeout > 0):
             raise ConfigurationError(f"idle_timeout must be a number of seconds > 0 (or None: never), got {idle_timeout!r}")
         check_shared(shared, token)
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise ConfigurationError(f"--model must be the served model's name, got {model!r}")
         tracing.redaction(check=True)  # a LIGHTNING_RL_REDACT naming no function stops the gateway as it starts
         self.upstreams = cleaned
         self.token = token
         self.shared = shared
+        self.model = model  # every call sent as this model, unless its rollout names its own (rollouts.py)
         self._seq = ClockSeq()
         self.idle_timeout = idle_timeout
         self.max_body_bytes = max_body_bytes

@@ -37,6 +37,9 @@ class OpenRollout:
     span: Any
     key: str
     upstream: str | None = None
+    # every call sent to the engine as this model, whatever name the agent asked for (a CLI asking for its
+    # vendor's names, e.g. Claude Code's claude-opus-*; set by lrl.command): the name asked is kept on the span
+    model: str | None = None
     tool_calls_seen: set[str] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)  # the last call, reward or span sent to it
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -55,9 +58,13 @@ class Rollouts:
         if mode not in MODES:
             raise GatewayError(422, f"mode {mode!r} is not one of {', '.join(MODES)}")
         agent, name = body.get("agent"), body.get("name") or body.get("agent") or "gateway"
-        for key, value in (("agent", agent), ("name", name), ("group_id", body.get("group_id"))):
+        for key, value in (("agent", agent), ("name", name), ("group_id", body.get("group_id")),
+                           ("model", body.get("model"))):
             if value is not None and (not isinstance(value, str) or not value):
                 raise GatewayError(422, f"{key} must be a non-empty string, got {value!r}")
+        if self.shared and body.get("model") is not None:  # the store's rollout record has no place for it
+            raise GatewayError(422, "a rollout's own model is not kept across --shared gateways; start each "
+                                    "gateway with --model NAME (every call sent as NAME) instead")
         attempt = body.get("attempt", 0)
         if not is_int(attempt) or not 0 <= attempt <= INT64_MAX:
             raise GatewayError(422, f"attempt must be an int from 0 to 2**63-1, got {safe_text(attempt)[:60]}")
@@ -85,18 +92,20 @@ class Rollouts:
                 span = tracing.tracer.start_span(f"invoke_agent {rollout.agent}", attributes={
                     semconv.GEN_AI_OPERATION_NAME: semconv.OP_INVOKE_AGENT, semconv.GEN_AI_AGENT_NAME: rollout.agent,
                     semconv.ROLLOUT_ID: rollout_id, semconv.POLICY_VERSION: rollout.policy_version})
-            self.rollouts[rollout_id] = OpenRollout(rollout, state, span, KEY_PREFIX + secrets.token_urlsafe(24))
+            self.rollouts[rollout_id] = OpenRollout(rollout, state, span, KEY_PREFIX + secrets.token_urlsafe(24),
+                                                    model=body.get("model"))
             self._by_key[self.rollouts[rollout_id].key] = rollout_id
         key = self.rollouts[rollout_id].key
         count("gateway_rollouts_opened")
         return {"rollout_id": rollout_id, "base_url": f"{base_url.rstrip('/')}/rollouts/{rollout_id}/v1",
                 "api_key": key, "group_id": group_id}
 
-    def adopt(self, state: RolloutState, span: Any, base_url: str) -> dict[str, Any]:
+    def adopt(self, state: RolloutState, span: Any, base_url: str, model: str | None = None) -> dict[str, Any]:
         """Route calls to a rollout of this process (``command``): a key and a base URL for it. The
-        rollout is ended by its own ``@trace``, not over HTTP; ``release`` forgets the key."""
+        rollout is ended by its own ``@trace``, not over HTTP; ``release`` forgets the key. ``model``:
+        every call goes to the engine as this model, whatever name it asked for."""
         key = KEY_PREFIX + secrets.token_urlsafe(24)
-        self.rollouts[state.rollout_id] = OpenRollout(None, state, span, key)
+        self.rollouts[state.rollout_id] = OpenRollout(None, state, span, key, model=model)
         self._by_key[key] = state.rollout_id
         return {"rollout_id": state.rollout_id, "base_url": f"{base_url.rstrip('/')}/rollouts/{state.rollout_id}/v1",
                 "api_key": key}

@@ -48,9 +48,12 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise TranslationError("messages must be a non-empty list of {role, content}")
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise TranslationError(f"{where}: role must be 'user' or 'assistant'")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise TranslationError(f"{where}: role must be 'user', 'assistant' or 'system'")
         content = message.get("content")
+        if message["role"] == "system":  # a system turn mid-conversation (Claude Code sends them): one in chat too
+            messages.append({"role": "system", "content": _text(content, where)})
+            continue
         if isinstance(content, str):
             messages.append({"role": message["role"], "content": content})
             continue

@@ -5,7 +5,19 @@ engine's token ids come with it and the call is recorded like any other, and the
 as a response object, or as the Responses stream's events (``response.created`` ...
 ``response.completed``). No responses are kept, so ``previous_response_id`` is refused (send the whole
 conversation in ``input``), as are items and tools chat completions cannot carry (images, files,
-built-in tools, reasoning items): a 400 that names them, never dropped.
+built-in tools such as ``web_search`` and ``local_shell``, ``custom`` tools, reasoning items): a 400 that
+names them, never dropped.
+
+Carried: ``instructions``, ``parallel_tool_calls``, ``reasoning.effort`` (as ``reasoning_effort``),
+``text.format``, and ``namespace`` tools (Codex's sub-agent tools: each function in it is sent as a
+function, and a call to one comes back with its ``namespace``, as OpenAI's API answers). Hints that
+change nothing the engine samples are accepted and left out: ``store`` (nothing is kept either way),
+``include`` (there is no reasoning to include), ``reasoning.summary``, ``prompt_cache_key`` (the
+engine's prefix cache needs no key), ``client_metadata``, ``metadata``, ``text.verbosity``,
+``service_tier``, ``truncation``, ``user``, ``safety_identifier``. ``background: true`` is refused.
+``tool_choice`` ``auto`` or ``none`` with no tools (Codex's compaction request) is left out: the
+same without tools, and vLLM refuses a ``tool_choice`` without tools; ``required`` or a named function
+with no tools is refused.
 """
 
 from __future__ import annotations
@@ -37,11 +49,45 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+def _functions(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools as chat functions: function tools, and the functions of ``namespace`` tools."""
+    functions: list[dict[str, Any]] = []
+    for j, tool in enumerate(body.get("tools") or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        inner = tool.get("tools") if kind == "namespace" else [tool]
+        if kind not in ("function", "namespace") or not isinstance(inner, list):
+            raise TranslationError(f"tools[{j}]: a {kind!r} tool is not served here; give function tools (or a "
+                                   "namespace of them)")
+        for k, each in enumerate(inner):
+            if not isinstance(each, dict) or each.get("type") != "function":
+                what = each.get("type") if isinstance(each, dict) else each
+                raise TranslationError(f"tools[{j}].tools[{k}]: a {what!r} tool is not served here; give function "
+                                       "tools")
+            functions.append({key: each[key] for key in ("name", "description", "parameters", "strict")
+                              if each.get(key) is not None})
+    names = [f.get("name") for f in functions]
+    twice = sorted({n for n in names if names.count(n) > 1}, key=str)
+    if twice:
+        raise TranslationError(f"tools: {twice[0]!r} is named twice (in two namespaces or beside one); chat "
+                               "completions names functions without a namespace: give each function its own name")
+    return functions
+
+
+def _namespaces(body: dict[str, Any]) -> dict[str, str]:
+    """Each function of a ``namespace`` tool: its namespace (a call to it is answered with it)."""
+    return {each["name"]: tool["name"] for tool in body.get("tools") or ()
+            if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list)
+            for each in tool["tools"] if isinstance(each, dict) and isinstance(each.get("name"), str)}
+
+
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A Responses request as a chat-completions request."""
     if body.get("previous_response_id"):
         raise TranslationError("previous_response_id: lightning-rl keeps no responses; send the whole conversation "
                                "in input")
+    if body.get("background"):
+        raise TranslationError("background: true: lightning-rl keeps no responses to poll; send the request without "
+                               "background")
     messages: list[dict[str, Any]] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": _text(body["instructions"], "instructions")})
@@ -82,17 +128,20 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
                          ("stream", "stream"), ("seed", "seed")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
-    tools = []
-    for j, tool in enumerate(body.get("tools") or ()):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise TranslationError(f"tools[{j}]: a {kind!r} tool is not served here; give function tools")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        tools.append({"type": "function", "function": function})
+    if isinstance(body.get("parallel_tool_calls"), bool):
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
+        chat["reasoning_effort"] = reasoning["effort"]
+    tools = [{"type": "function", "function": function} for function in _functions(body)]
     if tools:
         chat["tools"] = tools
     choice = body.get("tool_choice")
-    if isinstance(choice, str):
+    if choice is not None and not tools:  # Codex's compaction request: no tools, tool_choice "auto"
+        if choice not in ("auto", "none"):  # auto and none mean the same without tools (vLLM refuses either)
+            raise TranslationError(f"tool_choice {choice!r} with no tools: the model cannot call a tool it is not "
+                                   "given; send the tools, or tool_choice auto")
+    elif isinstance(choice, str):
         chat["tool_choice"] = choice
     elif isinstance(choice, dict):
         if choice.get("type") != "function":
@@ -119,10 +168,14 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
 
 
-def _call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+def _call_item(item_id: str, call: dict[str, Any], status: str = "completed",
+               namespaces: dict[str, str] | None = None) -> dict[str, Any]:
     fn = call.get("function") or {}
-    return {"type": "function_call", "id": item_id, "call_id": call.get("id"), "name": fn.get("name"),
+    item = {"type": "function_call", "id": item_id, "call_id": call.get("id"), "name": fn.get("name"),
             "arguments": fn.get("arguments") or "", "status": status}
+    if namespaces and fn.get("name") in namespaces:
+        item["namespace"] = namespaces[fn["name"]]
+    return item
 
 
 def _response(response_id: str, body: dict[str, Any], output: list[dict[str, Any]], finish: str | None,
@@ -132,7 +185,7 @@ def _response(response_id: str, body: dict[str, Any], output: list[dict[str, Any
             "status": status or ("incomplete" if truncated else "completed"),
             "incomplete_details": {"reason": "max_output_tokens"} if truncated and status is None else None,
             "error": None, "model": body.get("model"), "output": output, "instructions": body.get("instructions"),
-            "parallel_tool_calls": True, "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools", []),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools", []),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
             "usage": usage}
 
@@ -144,8 +197,9 @@ def from_chat(chat: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     output = []
     if message.get("content"):
         output.append(_message_item("msg_" + uuid.uuid4().hex, message["content"]))
+    namespaces = _namespaces(body)
     for call in message.get("tool_calls") or ():
-        output.append(_call_item("fc_" + uuid.uuid4().hex, call))
+        output.append(_call_item("fc_" + uuid.uuid4().hex, call, namespaces=namespaces))
     return _response("resp_" + uuid.uuid4().hex, body, output, choice.get("finish_reason"), _usage(chat))
 
 
@@ -164,6 +218,7 @@ class StreamRenderer:
         self.tool_items: dict[int, dict[str, Any]] = {}
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.namespaces = _namespaces(body)
 
     def _event(self, kind: str, data: dict[str, Any]) -> bytes:
         self.seq += 1
@@ -225,7 +280,7 @@ class StreamRenderer:
                 if item is None:
                     out += self._close_open()
                     item = _call_item("fc_" + uuid.uuid4().hex, {"id": call.get("id"), "function": {
-                        "name": fn.get("name"), "arguments": ""}}, status="in_progress")
+                        "name": fn.get("name"), "arguments": ""}}, status="in_progress", namespaces=self.namespaces)
                     self.tool_items[position] = item
                     self.items.append(item)
                     self.open = item
