@@ -25,6 +25,7 @@ Nothing here raises into the caller: failures are logged once per cause and coun
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,8 @@ class CapturedCall:
         asked = request.get("model")
         if self.served_as is not None:
             extra["model"] = self.served_as[0]
+        # the answer names the model asked for, not the one it was sent as (_as_asked)
+        self._renamed = (extra["model"], asked) if extra.get("model") not in (None, asked) else None
         request = {**request, **extra} if extra else request
         self.server = server.key
         self.injected: tuple[str, ...] = ()
@@ -259,6 +262,7 @@ class CapturedCall:
                     if lp is not None and (values := get(lp, "token_logprobs")):
                         c.logprobs = [x if x is not None else 0.0 for x in values]
             self._meta_from(resp)
+            self._as_asked(resp)
             usage = get(resp, "usage")
             if usage is not None:
                 self.response_meta["usage"] = usage
@@ -270,11 +274,24 @@ class CapturedCall:
             self.response_meta["id"] = response_id
             self.response_meta["model"] = self._get(obj, "model")
 
+    def _as_asked(self, obj: Any) -> None:
+        """An answer (or chunk) from the name a call was sent as (the live version's own ``policy@vk``, a
+        canary's candidate) names the model the agent asked for, as if sent as asked: agents compare the
+        two (AutoGen warns on every call). The span's ``gen_ai.response.model`` keeps the name that answered."""
+        if self._renamed is None or self._get(obj, "model") != self._renamed[0]:
+            return
+        if isinstance(obj, dict):
+            obj["model"] = self._renamed[1]
+        else:
+            with contextlib.suppress(Exception):  # an object that refuses it keeps the served name
+                obj.model = self._renamed[1]
+
     # -- streams -----------------------------------------------------------------------------------
     def on_chunk(self, chunk: Any) -> None:
         get, extra = self._get, self._extra
         try:
             self._meta_from(chunk)
+            self._as_asked(chunk)
             if self.prompt_ids is None:
                 self.prompt_ids = extra(chunk).get("prompt_token_ids")
             usage = get(chunk, "usage")

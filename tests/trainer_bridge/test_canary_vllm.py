@@ -79,7 +79,7 @@ def test_a_canary_routes_its_share_by_rollout_id_and_is_refused_or_promoted_on_p
                 production_agent("What is 2+2?")
         for rid in ids:  # the call went where the id says, and was recorded as sent, with its version
             assert _answered_by(traced, rid) == (("policy-candidate", 1) if rid in routed else ("policy", 0)), rid
-        assert eval_agent("What is 1+1?") == "policy@v0"  # only production is routed (the live one: its own name)
+        assert eval_agent("What is 1+1?") == "policy"  # only production is routed (the live one, answered as asked)
         assert trainer.step() is None  # no feedback yet: the canary waits, and no batch is taken
         for rid in ids:  # the candidate does worse in production than the live policy
             traced.add_reward(rid, 0.0 if rid in routed else 1.0)

@@ -48,9 +48,9 @@ def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url
         base_url, model = lrl.current_endpoint()
         r = openai.OpenAI(base_url=base_url, api_key="EMPTY").chat.completions.create(
             model=model, max_tokens=2, temperature=0, messages=[{"role": "user", "content": task}])
-        # the live policy answers under its version's own name (replicas.py): "policy@v0"
-        answered.append("policy" if r.model.startswith("policy@v") else r.model)
-        lrl.emit_reward(1.0 if r.model.startswith("policy@v") else candidate_reward["value"])
+        # the live policy: sent as its version's own name (replicas.py), answered as asked
+        answered.append(r.model)
+        lrl.emit_reward(1.0 if r.model == "policy" else candidate_reward["value"])
 
     trainer = ContinuousTrainer(store=traced, model_dir=ensure_tiny_model(), server_url=vllm_url,
                                 out_dir=tmp_path / "ct", min_new=2, max_policy_lag=2,

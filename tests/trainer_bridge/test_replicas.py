@@ -8,6 +8,7 @@ import openai
 import pytest
 
 import lightning_rl as lrl
+from lightning_rl import semconv
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.tracer import tracing
 from lightning_rl.trainer_bridge.replicas import Replicas, replica_urls, versioned_name
@@ -50,13 +51,16 @@ def test_a_traced_call_goes_to_the_live_version_s_own_name_and_is_stamped_with_i
     assert agent("a") == "policy"
     tracing.reset_policy_versions()  # read the store anew (as a process does every second)
     traced.record_policy("policy", 4, adapter="/a/v4", served_as="policy@v4")
-    assert agent("b") == "policy@v4"
+    assert agent("b") == "policy"  # the answer names the model asked for (agents compare them)
     tracing.set_policy_version(5, model="policy", served_as="policy@v5")  # this process's own publish wins
-    assert agent("c") == "policy@v5"
+    assert agent("c") == "policy"
     assert [r["model"] for r in engine.requests] == ["policy", "policy@v4", "policy@v5"]
     calls = [t.llm_calls[0] for t in lrl.trajectories(traced)]
     # the model asked for is kept (samples are routed to policies by it); the version is the one that answered
     assert [(c.model, c.policy_version) for c in calls] == [("policy", 3), ("policy", 4), ("policy", 5)]
+    answered = [{s.span_id: s for s in traced.spans(t.rollout_id)}[t.llm_calls[0].span_id]
+                .attributes.get(semconv.GEN_AI_RESPONSE_MODEL) for t in lrl.trajectories(traced)]
+    assert answered == ["policy", "policy@v4", "policy@v5"]  # the span keeps the name that answered
 
 
 def test_a_server_without_the_lora_route_is_named_with_the_flag_at_once(tmp_path):

@@ -17,6 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import lightning_rl as lrl
+from lightning_rl import semconv
 from lightning_rl import diagnostics
 from lightning_rl.cli import main
 from lightning_rl.errors import ConfigurationError, PublishError
@@ -118,13 +119,16 @@ def test_a_publish_reaches_every_replica_and_each_traced_call_is_stamped_with_th
             served = _served(url)
             assert served[f"policy@v{version}"] == path and served["policy"] == path
         answered += [agent("q") for _ in range(4)]
-    assert answered == [f"policy@v{v}" for v in (0, 1, 2) for _ in range(4)]
+    assert answered == ["policy"] * 12  # the answer names the model asked for (agents compare them)
     calls = [c for t in lrl.trajectories(traced) for c in t.llm_calls]
+    served = [{s.span_id: s for s in traced.spans(t.rollout_id)}[c.span_id].attributes.get(semconv.GEN_AI_RESPONSE_MODEL)
+              for t in lrl.trajectories(traced) for c in t.llm_calls]
+    assert served == [f"policy@v{v}" for v in (0, 1, 2) for _ in range(4)]  # the span: the name that answered
     assert [(c.policy_version, c.model) for c in calls] == [(v, "policy") for v in (0, 1, 2) for _ in range(4)]
     assert [p.served_as for p in traced.policies("policy")] == ["policy@v0", "policy@v1", "policy@v2"]
     # a process that reads the publishes from the store (not the one that published) sends and stamps the same
     tracing.reset_policy_versions()
-    assert agent("q") == "policy@v2" and list(lrl.trajectories(traced))[-1].llm_calls[0].policy_version == 2
+    assert agent("q") == "policy" and list(lrl.trajectories(traced))[-1].llm_calls[0].policy_version == 2
     # the last `keep` (3) versioned names stay loaded; older ones are unloaded
     for version in (3, 4):
         publish_and_record(publisher, traced, lora_models[version % 2], version)
@@ -207,9 +211,13 @@ def test_rollback_and_the_gate_work_over_the_replica_set(traced, replicas, lora_
     finally:
         gate.close()
     assert test.not_worse and (test.n_candidate, test.n_live) == (4, 4)
-    # the tries went to every replica in turn; the live policy answered under its version's own name
-    assert sorted(endpoints) == sorted([(f"{u}/v1", name) for u in urls for name in ("policy-candidate", "policy@v0")
+    # the tries went to every replica in turn; the live policy was sent as its version's own name (its span says
+    # so) and answered as asked
+    assert sorted(endpoints) == sorted([(f"{u}/v1", name) for u in urls for name in ("policy-candidate", "policy")
                                         for _ in range(2)])
+    answered = {s.attributes.get(semconv.GEN_AI_RESPONSE_MODEL) for r in traced.rollouts() for s in traced.spans(r.rollout_id)
+                if s.attributes.get(semconv.GEN_AI_RESPONSE_MODEL)}
+    assert answered == {"policy-candidate", "policy@v0"}
     for url in urls:
         assert "policy-candidate" not in _served(url)  # unloaded from every replica
 
