@@ -67,14 +67,20 @@ CLAUDE_CODE_QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_T
 
 
 def find_cli(binary: str | None, program: str, env_var: str, package: str) -> str:
-    """A coding-agent CLI's executable: ``binary``, else ``$env_var``, else ``program`` on PATH, else the
-    checkout's pinned copy (``examples/cli_agents``, ``make node-deps``)."""
+    """A coding-agent CLI's executable: ``binary``, else ``$env_var``, else ``program`` on PATH, else
+    ``node_modules/.bin`` of the working folder (a local ``npm install``), else a checkout's pinned copy
+    (``examples/cli_agents``, ``make node-deps``)."""
+    local = Path.cwd() / "node_modules" / ".bin" / program
     checkout = Path(__file__).resolve().parents[2] / "examples" / "cli_agents" / "node_modules" / ".bin" / program
-    for candidate in (binary, os.environ.get(env_var), shutil.which(program), checkout):
+    for candidate in (binary,) if binary else (os.environ.get(env_var), shutil.which(program), local, checkout):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
-    raise ConfigurationError(f"no {program} executable found (binary={binary!r}, ${env_var}, PATH, {checkout}); "
-                             f"install it (npm install {package}, or make node-deps in a checkout) or give binary=PATH")
+    if binary:  # the one given, and nothing else
+        raise ConfigurationError(f"binary={binary!r} is not an executable file; give the path of {program} (after "
+                                 f"npm install {package}: node_modules/.bin/{program})")
+    raise ConfigurationError(f"no {program} executable found (${env_var}, PATH, ./node_modules/.bin); install it "
+                             f"(npm install {package}) and run from that folder, or give binary='.../node_modules/"
+                             f".bin/{program}' or set ${env_var}")
 
 
 def served_model(upstream: str) -> str:
@@ -162,8 +168,9 @@ def claude_code(prompt: str | Callable[[Any], str] | None = None, *, upstream: s
         settings["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(context_window)
     settings.update(env or {})
     settings.setdefault("CLAUDE_CONFIG_DIR", tempfile.mkdtemp(prefix="claude-code-", dir=_root()))
+    # no reward= : none (the CLI's last line is the model's answer, not a reward)
     return command(argv, upstream=upstream, name=name, agent=agent, env=settings, timeout=timeout, mode=mode,
-                   reward=reward, model=model, stdin=_prompt_of(prompt), cwd=cwd)
+                   reward=reward or _no_reward, model=model, stdin=_prompt_of(prompt), cwd=cwd)
 
 
 # --- Codex -------------------------------------------------------------------------------------------
@@ -262,6 +269,8 @@ def _no_reward(task: Any, stdout: str) -> float | None:
 # "/root", or a path below it), its thread id, request_kind ("turn", "compaction"), window_number (0, then
 # one more after each compaction) and, for a sub-agent's thread (its spawn_agent tool), thread_source
 # "subagent", subagent_kind ("thread_spawn") and parent_thread_id.
+CODEX_VERSION = "0.171.0"  # the versions tested (examples/cli_agents/package.json)
+OPENCODE_VERSION = "1.18.33"
 CODEX_METADATA_HEADER = "x-codex-turn-metadata"
 CODEX_AGENT = "codex"  # the agent name of the root agent's calls; a sub-agent's: "codex/<its name>"
 
@@ -323,7 +332,7 @@ def _cli(kind: str, program: str, package: str, extra: Sequence[str], sandbox: s
     argv = [sys.executable, "-c", _LAUNCHER, kind, exe, model or "", _root(), sandbox, *extra]
     # model: the CLI's configuration asks for it; the gateway sends any other name it asks for as it too
     return _command(argv, upstream=upstream, name=name or kind, agent=agent, env=env, timeout=timeout, mode=mode,
-                    reward=reward or _no_reward, model=model)
+                    reward=reward or _no_reward, model=model, label=f"{exe} {'exec' if kind == 'codex' else 'run'}")
 
 
 def codex(*, upstream: str | Sequence[str] | None = None, model: str | None = None, binary: str | None = None,
@@ -348,7 +357,7 @@ def codex(*, upstream: str | Sequence[str] | None = None, model: str | None = No
     if sandbox not in ("none", "read-only", "workspace-write", "danger-full-access"):
         raise ConfigurationError(f"codex sandbox must be 'none', 'read-only', 'workspace-write' or "
                                   f"'danger-full-access', got {sandbox!r}")
-    return _cli("codex", "codex", "@openai/codex", args, sandbox, binary=binary, model=model, upstream=upstream,
+    return _cli("codex", "codex", f"@openai/codex@{CODEX_VERSION}", args, sandbox, binary=binary, model=model, upstream=upstream,
                 name=name, agent=agent, env=env, timeout=timeout, mode=mode, reward=reward)
 
 
@@ -374,6 +383,6 @@ def opencode(*, upstream: str | Sequence[str] | None = None, model: str | None =
     :func:`codex` (``stdout``: what ``opencode run`` printed)."""
     if config is not None and not isinstance(config, Mapping):
         raise ConfigurationError(f"opencode config must be a dict of opencode configuration, got {config!r}")
-    return _cli("opencode", "opencode", "opencode-ai", args, json.dumps(dict(config or {})), binary=binary,
+    return _cli("opencode", "opencode", f"opencode-ai@{OPENCODE_VERSION}", args, json.dumps(dict(config or {})), binary=binary,
                 model=model, upstream=upstream, name=name, agent=agent, env=env, timeout=timeout, mode=mode,
                 reward=reward)

@@ -57,7 +57,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
             agent: str | None = None, env: Mapping[str, str] | None = None, timeout: float | None = None,
             mode: str | None = None, reward: Callable[[Any, str], float | None] | None = None,
             model: str | None = None, stdin: Callable[[Any], str] | None = None,
-            cwd: str | os.PathLike[str] | None = None) -> Callable[[Any], Any]:
+            cwd: str | os.PathLike[str] | None = None, label: str | None = None) -> Callable[[Any], Any]:
     """An agent that is a command: a traced async function ``agent(task)`` that runs ``argv`` once per
     rollout, for ``Trainer`` or any caller, in any language.
 
@@ -85,7 +85,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
     endpoint fails, naming the fix.
 
     ``reward``: the rollout's reward is ``reward(task, stdout)`` (the process's output, as text) instead of
-    the number on its last line (the coding-agent CLIs, whose last line is the model's answer)."""
+    the number on its last line (the coding-agent CLIs, whose last line is the model's answer).
+    ``label``: how its failures and timeouts name the process (default: its arguments)."""
     if isinstance(argv, str) or not argv or not argv[0] or not all(isinstance(a, str) for a in argv):
         raise ConfigurationError(f"command needs the program and its arguments as a list of strings, e.g. "
                                  f"['node', 'agent.mjs'], got {argv!r}")
@@ -93,6 +94,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
     if fixed is not None:
         Gateway(fixed)  # bad URLs are refused here, before any rollout
     argv = list(argv)
+    shown = label or " ".join(argv)
     extra = dict(env or {})
 
     @trace(name=name or os.path.basename(argv[-1]), agent=agent, mode=mode)
@@ -132,7 +134,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
                 await proc.wait()
                 if isinstance(exc, TimeoutError):
                     count("command_timeouts")
-                    raise TimeoutError(f"{' '.join(argv)} ran past its timeout of {timeout:g} s; its process group "
+                    raise TimeoutError(f"{shown} ran past its timeout of {timeout:g} s; its process group "
                                        "was killed (the calls it made are kept)") from None
                 raise
             _kill_group(proc.pid)  # what it left running in the background
@@ -140,7 +142,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
             gw.gateway.release(state.rollout_id)
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip()[-2000:] or out.decode(errors="replace").strip()[-2000:]
-            raise CommandFailed(f"{' '.join(argv)} exited with status {proc.returncode}: {tail or '(no output)'}")
+            raise CommandFailed(f"{shown} exited with status {proc.returncode}: {tail or '(no output)'}")
         return _reward_of(out) if reward is None else reward(task, out.decode(errors="replace"))
 
     return run
