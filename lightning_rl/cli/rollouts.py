@@ -50,6 +50,12 @@ def rollouts_ls(store: str | None, mode: str | None, status: str | None, limit: 
                        "through the gateway or the openai client", err=True)
 
 
+def _clip(value: object, limit: int = 200) -> str:
+    """A tool's arguments, result or error on one line of ``rollouts show``."""
+    text = " ".join(str("" if value is None else value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _message_line(message: dict[str, Any]) -> list[str]:
     role = message.get("role", "?")
     content = message.get("content")
@@ -123,7 +129,11 @@ def rollouts_show(rollout_id: str, store: str | None, credit: str, as_json: bool
         seen = c.input_messages + c.output_messages
     for span in t.tool_spans:
         a = span.attributes
-        click.echo(f"  tool {a.get('gen_ai.tool.name')} id={a.get('gen_ai.tool.call.id')} status={span.status_code}")
+        agent = a.get("gen_ai.agent.name")
+        click.echo(f"  tool {a.get('gen_ai.tool.name')}({_clip(a.get('gen_ai.tool.call.arguments'))})"
+                   + (f" by {agent}" if agent else "") + f" id={a.get('gen_ai.tool.call.id')}"
+                   + (f"  ERROR {_clip(span.status_message)}" if span.status_code == "ERROR"
+                      else f" -> {_clip(a.get('gen_ai.tool.call.result'))}"))
     if t.missing_token_ids:
         click.echo(f"  warning: {t.missing_token_ids} LLM call(s) have no engine token ids and cannot be trained on")
     for r in t.rewards:
