@@ -38,12 +38,13 @@ PROVIDES = {
     "langchain": {"langchain"}, "langchain-openai": {"langchain_openai"}, "langgraph": {"langgraph"},
     "autogen-agentchat": {"autogen_agentchat", "autogen_core"}, "autogen-ext": {"autogen_ext"}, "vllm": {"vllm"},
     "psycopg": {"psycopg"}, "psycopg-pool": {"psycopg_pool"},
+    "google-adk": {"google"}, "litellm": {"litellm"},
 }
 # modules the package imports only when their library is already loaded by the user's program
 # (the HTTP-layer hooks: adapters/http_clients.py), so no extra installs them
 USERS_OWN = {"requests", "aiohttp", "yarl", "httpx2", "langchain_core",
              # the agent frameworks instrumented on import (adapters/__init__.py's post-import hook)
-             "agents", "pydantic_ai", "smolagents", "crewai", "llama_index"}
+             "agents", "pydantic_ai", "smolagents", "crewai", "llama_index", "mcp"}
 
 
 def _name(requirement: str) -> str:
