@@ -94,7 +94,7 @@ def _fill(db: str, in_flight: int, spare: int) -> None:
     if db.startswith("postgresql"):
         import psycopg
 
-        from lightning_rl.store.postgres_store import parse_url
+        from lightning_rl.store.postgres.store import parse_url
 
         conninfo, schema, _ = parse_url(db)
         with psycopg.connect(conninfo, options=f"-c search_path={schema}") as conn, conn.cursor() as cur:
@@ -114,7 +114,7 @@ def _worker(urls: list[str], index: int, seconds: float, start: float, out: mp.Q
     from lightning_rl.store.uri import open_store
 
     if urls[0].startswith("http"):
-        from lightning_rl.store.http_store import HttpStore
+        from lightning_rl.store.http.client import HttpStore
 
         store = HttpStore(urls[index % len(urls):] + urls[:index % len(urls)], retry_for=60.0,
                           spill_dir=tempfile.mkdtemp(prefix="bench-queue-spill-"))
@@ -166,7 +166,7 @@ def _measure(urls: list[str], processes: int, seconds: float) -> dict:
 
 def _runner_figures(url: str, idle_seconds: float) -> dict:
     """An idle runner's lease requests a second (counted at the client), and enqueue to start of the try."""
-    from lightning_rl.store.http_store import HttpStore
+    from lightning_rl.store.http.client import HttpStore
     from lightning_rl.trainer_bridge.runner import Runner
 
     sent = [0]

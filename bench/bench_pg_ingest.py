@@ -30,8 +30,8 @@ from _common import report, summary  # noqa: E402
 from _postgres import cluster_cpu, start_cluster  # noqa: E402
 from bench_store_ingest import make_spans  # noqa: E402
 
-from lightning_rl.store.postgres_sql import INSERT_SPAN  # noqa: E402
-from lightning_rl.store.postgres_store import PostgresStore  # noqa: E402
+from lightning_rl.store.postgres.sql import INSERT_SPAN  # noqa: E402
+from lightning_rl.store.postgres.store import PostgresStore  # noqa: E402
 from lightning_rl.store.rows import SPAN_COLUMNS, span_record_values  # noqa: E402
 
 BATCH = 1000

@@ -77,7 +77,7 @@ def _warm_client(url: str, index: int, *rest) -> None:
     import tempfile
 
     from lightning_rl.records import Rollout, RolloutStatus, SpanRow
-    from lightning_rl.store.http_store import HttpStore
+    from lightning_rl.store.http.client import HttpStore
 
     store = HttpStore(url, spill_dir=tempfile.mkdtemp(prefix=f"bench-warm-{index}-"))
     store.start_rollout(Rollout(rollout_id=f"warm-{index}", name="bench"))
@@ -124,7 +124,7 @@ def run_config(name: str, args: argparse.Namespace, cluster, work: Path) -> dict
         target = str(work / f"served-{uuid.uuid4().hex[:8]}.db")
     else:
         target = cluster.create_database()
-        from lightning_rl.store.postgres_store import PostgresStore
+        from lightning_rl.store.postgres.store import PostgresStore
 
         PostgresStore(target).close()  # the schema, before the servers race to make it
     servers = [_start(kind, target, workers or args.workers) for _ in range(n_servers)]

@@ -26,7 +26,7 @@ from lightning_rl import semconv  # noqa: E402
 from lightning_rl.records import Span, SpanTokens  # noqa: E402
 from lightning_rl.store import SQLiteStore  # noqa: E402
 from lightning_rl.store.rows import span_record_values  # noqa: E402
-from lightning_rl.store.sqlite_writes import INSERT_SPAN  # noqa: E402
+from lightning_rl.store.sqlite.writes import INSERT_SPAN  # noqa: E402
 
 BATCH = 1000
 

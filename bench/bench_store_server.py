@@ -67,7 +67,7 @@ def cpu_seconds(pid: int) -> float:
 def _client(url: str, index: int, spans: int, prompt: int, response: int, batch_ops: int, barrier, out) -> None:
     """One client process: rollouts of SPANS_PER_ROLLOUT LLM spans each, through HttpStore."""
     from lightning_rl.records import Rollout, RolloutStatus, SpanRow
-    from lightning_rl.store.http_store import HttpStore
+    from lightning_rl.store.http.client import HttpStore
     from lightning_rl.store.rows import lift_token_attributes
 
     store = HttpStore(url, spill_dir=tempfile.mkdtemp(prefix=f"bench-spill-{index}-"), batch_ops=batch_ops)

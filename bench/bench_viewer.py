@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_rl import semconv  # noqa: E402
 from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus, Span, SpanTokens  # noqa: E402
-from lightning_rl.store.sqlite_store import SQLiteStore  # noqa: E402
+from lightning_rl.store.sqlite.store import SQLiteStore  # noqa: E402
 
 LIST_QUERIES = {
     "newest": {},
@@ -116,7 +116,7 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "bench"))
         from _postgres import start_cluster
 
-        from lightning_rl.store.postgres_store import PostgresStore
+        from lightning_rl.store.postgres.store import PostgresStore
 
         location = start_cluster("bench-pg-viewer").create_database()
         store = PostgresStore(location)

@@ -26,8 +26,8 @@ from lightning_rl.records import Rollout, SpanRow  # noqa: E402
 from lightning_rl.store import wire  # noqa: E402
 from lightning_rl.store.ops import StartRollout, TracedSpan  # noqa: E402
 from lightning_rl.store.rows import lift_token_attributes  # noqa: E402
-from lightning_rl.store.server import _tune_gc  # noqa: E402
-from lightning_rl.store.sqlite_store import SQLiteStore  # noqa: E402
+from lightning_rl.store.http.server import _tune_gc  # noqa: E402
+from lightning_rl.store.sqlite.store import SQLiteStore  # noqa: E402
 
 
 def main() -> None:

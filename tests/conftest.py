@@ -64,21 +64,31 @@ def pg_url(request):
     return request.getfixturevalue("pg_cluster").create_database()
 
 
-@pytest.fixture(params=["sqlite", "memory", "http", "postgres"])
+@pytest.fixture(params=["sqlite", "memory", "http", "postgres", "toy"])
 def store(request, tmp_path):
-    """Each store implementation, fresh (the shared contract runs against all four; ``http`` is
+    """Each store implementation, fresh (the shared contract runs against all of them; ``http`` is
     the HTTP client talking to a real store server on a loopback port, over a SQLite file; ``postgres``
-    a database of a real PostgreSQL server)."""
+    a database of a real PostgreSQL server; ``toy`` the dict-based backend of ``tests/store/toy_store.py``,
+    added through the store kit as docs/extending.md says, opened by its URL)."""
+    if request.param == "toy":
+        from lightning_rl.store import open_store
+        from tests.store.toy_store import ToyStore
+
+        s = open_store("toy://contract")
+        assert isinstance(s, ToyStore)
+        yield s
+        s.close()
+        return
     if request.param == "postgres":
-        from lightning_rl.store.postgres_store import PostgresStore
+        from lightning_rl.store.postgres.store import PostgresStore
 
         s = PostgresStore(request.getfixturevalue("pg_url"), retry_for=5.0)
         yield s
         s.close()
         return
     if request.param == "http":
-        from lightning_rl.store.http_store import HttpStore
-        from lightning_rl.store.server import BackgroundServer
+        from lightning_rl.store.http.client import HttpStore
+        from lightning_rl.store.http.server import BackgroundServer
 
         with BackgroundServer(tmp_path / "served.db") as server:
             s = HttpStore(server.url, spill_dir=tmp_path / "spill", retry_for=5.0)

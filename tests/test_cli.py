@@ -241,7 +241,7 @@ def test_rollouts_show_takes_a_unique_prefix_and_names_the_candidates(db, kind, 
             s.start_rollout(rollout(rid))
             s.finish_rollout(rid, RolloutStatus.SUCCEEDED, time.time(), None)
     if kind == "http":
-        from lightning_rl.store.server import BackgroundServer
+        from lightning_rl.store.http.server import BackgroundServer
 
         server = BackgroundServer(db).__enter__()
         store = server.url

@@ -12,7 +12,7 @@ from lightning_rl import diagnostics
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.judge import SCALE, GroupJudge, response_format
 from lightning_rl.records import Rollout, RolloutStatus
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from .conftest import SERVED_NAME
 from .store.helpers import llm_span

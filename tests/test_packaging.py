@@ -193,7 +193,7 @@ def test_the_core_install_starts_the_store_server_the_gateway_and_the_viewer(tmp
 
 @pytest.mark.parametrize("install, probe", [
     ("rewards,data,postgres", "from lightning_rl import rewards; import lightning_rl.store.parquet; "
-                              "import lightning_rl.store.postgres_store as p; p._psycopg(); "
+                              "import lightning_rl.store.postgres.store as p; p._psycopg(); "
                               "print(float(rewards.json_schema('{\"a\": 1}', {'type': 'object', 'required': ['a']})))"),
     ("local,trackers", "import lightning_rl.trainer_bridge.local, lightning_rl.trainer_bridge.loggers as l; "
                        "import torch.utils.tensorboard, mlflow, wandb; print('ok')"),

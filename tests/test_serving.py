@@ -10,7 +10,7 @@ from lightning_rl.errors import ConfigurationError
 from lightning_rl.gateway import BackgroundGateway
 from lightning_rl.serving import GATEWAY, STORE_SERVER, VIEWER, BackgroundService, check_bind
 from lightning_rl.store import InMemoryStore
-from lightning_rl.store.server import BackgroundServer
+from lightning_rl.store.http.server import BackgroundServer
 from lightning_rl.viewer import BackgroundViewer
 
 

@@ -23,8 +23,8 @@ from lightning_rl import semconv
 from lightning_rl.boundaries import MAX_JSON_DEPTH
 from lightning_rl.records import Rollout, RolloutStatus
 from lightning_rl.serving import ServerThread
-from lightning_rl.store.server import BackgroundServer
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.http.server import BackgroundServer
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.tracer import tracing
 
 from .services import wait_healthy

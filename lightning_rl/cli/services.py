@@ -51,15 +51,15 @@ def store_serve(db: str, host: str, port: int, token: str | None, tokens_file: s
     Example: lightning-rl store serve --db runs.db --host 0.0.0.0 --tokens /etc/lightning-rl/tokens
     """
     from ..serving import STORE_SERVER, check_bind
-    from ..store.server import serve
-    from ..store.uri import store_kind
+    from ..store.http.server import serve
+    from ..store.uri import store_backend
 
     check_bind(STORE_SERVER, host, token or tokens_file)
-    kind = store_kind(db)
-    if kind not in ("sqlite", "postgres"):
+    backend = store_backend(db)
+    if not backend.servable:
         raise click.ClickException(f"--db {db!r:.200} is not a SQLite file or a postgresql:// URL; a store server "
                                    "serves one of those (e.g. --db runs.db, --db postgresql://lrl@db:5432/lrl)")
-    if kind == "postgres" and synchronous is not None:
+    if "synchronous" not in backend.options and synchronous is not None:
         raise click.ClickException("--synchronous is SQLite's; a PostgreSQL store is as durable as the database "
                                    "makes it (its synchronous_commit setting): leave --synchronous out")
     serve(db, host=host, port=port, token=token, max_body_bytes=int(max_body_mb * 2**20), log_level=log_level,
@@ -140,20 +140,18 @@ def store_migrate(store: str | None, vacuum: bool) -> None:
     import sqlite3
     from pathlib import Path
 
-    from ..store.sqlite_store import SQLiteStore
-    from ..store.uri import store_kind
+    from ..store.sqlite.store import SQLiteStore
+    from ..store.uri import store_backend
 
-    postgres = store_kind(store) == "postgres"
-    if vacuum and postgres:  # before anything is opened: a refused option changes nothing
+    backend = store_backend(store)
+    if vacuum and "vacuum" not in backend.options:  # before anything is opened: a refused option changes nothing
         raise click.ClickException("--vacuum is SQLite's; PostgreSQL gives space back by its autovacuum (or by "
                                    "VACUUM FULL, which its administrator runs: it locks the store's tables)")
     opened = open_store(store)
     opened.close()
-    if postgres:
-        from ..store.postgres_schema import latest_version
-    else:
-        from ..store.migrations import latest_version
-    latest = latest_version()
+    from ..store.kit.backends import DEFAULT, backend_named
+
+    latest = (backend.schema_version or backend_named(DEFAULT).schema_version)()
     before = getattr(opened, "schema_found", None)
     where = shown_url(opened)
     if before == 0:
@@ -197,7 +195,7 @@ def store_prune(older_than: str, mode: str | None, keep_trained: bool, dry_run: 
     from pathlib import Path
 
     from ..store.erasure import parse_duration, prune
-    from ..store.sqlite_store import SQLiteStore
+    from ..store.sqlite.store import SQLiteStore
 
     seconds = parse_duration(older_than)
     opened = open_store(store)
@@ -240,7 +238,7 @@ def store_openapi() -> None:
 
     Example: lightning-rl store openapi > store-openapi.json
     """
-    from ..store.server import openapi_schema
+    from ..store.http.server import openapi_schema
 
     click.echo(openapi_schema())
 
@@ -262,7 +260,7 @@ def store_token(roles: tuple[str, ...], as_json: bool) -> None:
 
     Example: lightning-rl store token --role runner --json
     """
-    from ..store.server_auth import mint_token
+    from ..store.http.auth import mint_token
 
     minted = mint_token(list(roles))
     if as_json:

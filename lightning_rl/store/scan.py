@@ -1,6 +1,6 @@
 """``RolloutIndex`` questions and the rollout page answered by reading the records: the way a store
 without SQL (the in-memory one; the HTTP client, where the server has no route for it) implements them.
-The SQLite store answers the same questions in SQL (``sqlite_reads.py``); ``tests/store`` checks that both
+The SQLite store answers the same questions in SQL (``sqlite/reads.py``); ``tests/store`` checks that both
 give the same answers."""
 
 from __future__ import annotations

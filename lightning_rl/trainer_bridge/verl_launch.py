@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..settings import DEFAULT_STORE, ENV_STORE
-from ..store.uri import parse_store_url, store_kind
+from ..store.uri import parse_store_url, store_backend
 
 SUPPORTED = (">=0.9.1", "<0.10")
 RANGE = "verl>=0.9.1,<0.10"
@@ -146,7 +146,7 @@ def check_verl_config(cfg: Any) -> None:
             "actor trains the LoRA; set actor_rollout_ref.model.lora.merge=true")
     nodes = int(_get(cfg, "trainer.nnodes", 1) or 1)
     store = _get(cfg, "lightning_rl.store") or os.environ.get(ENV_STORE) or DEFAULT_STORE
-    if nodes > 1 and store_kind(str(store)) not in ("http", "postgres"):
+    if nodes > 1 and not store_backend(str(store)).shared:
         raise ConfigurationError(_shared_store_message(nodes, str(store)))
 
 
@@ -206,10 +206,11 @@ def verl_command(agent: str | None, overrides: Sequence[str] = (), *, store: str
     if agent is not None and ":" not in agent:
         raise ConfigurationError(f"--agent must be module:function of a traced agent, got {agent!r}")
     target = store or os.environ.get(ENV_STORE) or DEFAULT_STORE
-    if _nodes(overrides) > 1 and store_kind(target) not in ("http", "postgres"):
+    backend = store_backend(target)
+    if _nodes(overrides) > 1 and not backend.shared:
         raise ConfigurationError(_shared_store_message(_nodes(overrides), target))
-    if store_kind(target) == "sqlite":  # verl's actors may run in another directory: the file by its full path
-        store = "sqlite:///" + os.path.abspath(parse_store_url(target)[1])
+    if backend.absolute_url is not None:  # verl's actors may run in another directory: the file by its full path
+        store = backend.absolute_url(parse_store_url(target)[1])
     args = [sys.executable, "-m", "lightning_rl.trainer_bridge.verl_main", "--config-path", str(CONFIG_DIR),
             "--config-name", CONFIG_NAME,
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={CONFIG_DIR / 'agent_loops.yaml'}"]

@@ -62,7 +62,7 @@ def shared_store(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{db}", lambda: SQLiteStore(db, read_only=True)
         return
-    from lightning_rl.store.server import BackgroundServer
+    from lightning_rl.store.http.server import BackgroundServer
 
     with BackgroundServer(db) as server:
         yield server.url, lambda: SQLiteStore(db, read_only=True)

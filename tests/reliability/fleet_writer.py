@@ -9,7 +9,7 @@ import os
 import sys
 
 import lightning_rl as lrl
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 
 SPANS = 20  # tool spans per rollout; with the rollout's own span, 21 rows; two rewards ("mid", "reward")
 urls, stop_file, name = sys.argv[1].split(","), sys.argv[2], sys.argv[3]

@@ -91,7 +91,7 @@ def _stored(pg_url: str) -> dict[str, tuple]:
     names); and the quarantine's size under the key None."""
     import psycopg
 
-    from lightning_rl.store.postgres_store import parse_url
+    from lightning_rl.store.postgres.store import parse_url
 
     conninfo, schema, _ = parse_url(pg_url)
     with psycopg.connect(conninfo, options=f"-c search_path={schema}") as conn:

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_rl.records import QueueStatus, RolloutStatus
 from lightning_rl.store import wait_for_groups
-from lightning_rl.store.postgres_store import PostgresStore
+from lightning_rl.store.postgres.store import PostgresStore
 
 from .conftest import ROOT, ServerProcess, free_port, start_runner, write_figures
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_rl.records import Rollout
-from lightning_rl.store.server import BackgroundServer
+from lightning_rl.store.http.server import BackgroundServer
 
 from ..store.helpers import llm_span
 from .conftest import write_figures

@@ -15,7 +15,7 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.records import QueueStatus, RolloutStatus
 from lightning_rl.store import wait_for_groups
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 
 from .conftest import start_runner, write_figures
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from lightning_rl.store import wait_for_groups
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 
 from .conftest import start_runner, write_figures
 

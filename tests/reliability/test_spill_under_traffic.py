@@ -13,7 +13,7 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl.records import RolloutStatus
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.tracer import tracing
 
 from .conftest import write_figures

@@ -42,7 +42,7 @@ def old_schema_store(path, version: int, attributes: list[dict]) -> None:
 
     import sqlite_utils
 
-    from lightning_rl.store import migrations
+    from lightning_rl.store.sqlite import migrations
 
     conn = sqlite3.connect(path, isolation_level=None)
     db = sqlite_utils.Database(conn)
@@ -64,7 +64,7 @@ def store_with_a_lost_base(path, spans: list[Span]) -> None:
     span of seq 2 refers to) deleted by hand."""
     import sqlite3
 
-    from lightning_rl.store.sqlite_store import SQLiteStore
+    from lightning_rl.store.sqlite.store import SQLiteStore
 
     with SQLiteStore(path) as store:
         store.start_rollout(rollout("r1"))

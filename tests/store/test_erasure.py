@@ -18,10 +18,10 @@ import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.errors import RolloutNotFoundError, StoreError
 from lightning_rl.records import Reward, RewardSource, RolloutStatus, Span
-from lightning_rl.store.http_store import HttpStore
-from lightning_rl.store.postgres_store import PostgresStore
-from lightning_rl.store.server import BackgroundServer
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.http.client import HttpStore
+from lightning_rl.store.postgres.store import PostgresStore
+from lightning_rl.store.http.server import BackgroundServer
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from .helpers import rollout
 

@@ -16,9 +16,9 @@ from lightning_rl import diagnostics
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import Reward, RolloutStatus
 from lightning_rl.serving import ServerThread
-from lightning_rl.store.http_store import HttpStore
-from lightning_rl.store.postgres_store import PostgresStore
-from lightning_rl.store.server import BackgroundServer
+from lightning_rl.store.http.client import HttpStore
+from lightning_rl.store.postgres.store import PostgresStore
+from lightning_rl.store.http.server import BackgroundServer
 from lightning_rl.store.uri import open_store, same_store
 
 from .helpers import llm_span, rollout
@@ -237,7 +237,7 @@ def test_several_urls_are_one_store_setting(tmp_path, monkeypatch):
 
 
 def test_the_default_spill_folder_is_one_per_set_of_servers(monkeypatch):
-    from lightning_rl.store.http_store import _default_spill_dir
+    from lightning_rl.store.http.client import _default_spill_dir
 
     monkeypatch.delenv("LIGHTNING_RL_SPILL_DIR", raising=False)
     assert _default_spill_dir(["http://a:1"]).name == "a_1"
@@ -252,7 +252,7 @@ def test_an_unreachable_database_is_never_the_records_fault(pg_url):
     retried and spilled like any outage, never split down to single records and quarantined (a record
     would be set aside if the database came back between its write and its quarantine)."""
     from lightning_rl.errors import StoreError
-    from lightning_rl.store.postgres_store import is_record_error
+    from lightning_rl.store.postgres.store import is_record_error
 
     port = _free_port()
     with pytest.raises(StoreError) as refused:
@@ -268,7 +268,7 @@ def test_the_grants_of_docs_fleet_md_are_enough_for_a_server_and_a_viewer(pg_url
 
     import psycopg
 
-    from lightning_rl.store.postgres_store import parse_url
+    from lightning_rl.store.postgres.store import parse_url
 
     monkeypatch.setenv("LIGHTNING_RL_SPILL_DIR", str(tmp_path / "spill"))
     suffix = uuid.uuid4().hex[:8]

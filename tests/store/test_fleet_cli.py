@@ -17,10 +17,10 @@ import lightning_rl as lrl
 from lightning_rl.cli import main
 from lightning_rl.records import RolloutStatus
 from lightning_rl.store import wait_for_groups, wire
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 from lightning_rl.store.ops import StartRollout
-from lightning_rl.store.postgres_schema import latest_version
-from lightning_rl.store.postgres_store import PostgresStore
+from lightning_rl.store.postgres.schema import latest_version
+from lightning_rl.store.postgres.store import PostgresStore
 
 from ..services import wait_healthy
 from .helpers import rollout

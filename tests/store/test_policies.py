@@ -13,9 +13,9 @@ import pytest
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import RolloutStatus
 from lightning_rl.store import policy_versions
-from lightning_rl.store.http_store import HttpStore
-from lightning_rl.store.server import BackgroundServer
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.http.client import HttpStore
+from lightning_rl.store.http.server import BackgroundServer
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from .helpers import rollout
 

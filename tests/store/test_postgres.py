@@ -14,8 +14,8 @@ import lightning_rl as lrl
 from lightning_rl import diagnostics
 from lightning_rl.errors import ConfigurationError, NotAStoreError, SchemaTooNewError, StoreError
 from lightning_rl.records import Rollout, RolloutStatus
-from lightning_rl.store.postgres_schema import latest_version
-from lightning_rl.store.postgres_store import PostgresStore, parse_url
+from lightning_rl.store.postgres.schema import latest_version
+from lightning_rl.store.postgres.store import PostgresStore, parse_url
 from tests.pg_cluster import PostgresCluster
 
 from .helpers import llm_span, rollout

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from lightning_rl import semconv
 from lightning_rl.cli import main
 from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus
-from lightning_rl.store.postgres_store import PostgresStore
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.postgres.store import PostgresStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from ..services import wait_healthy
 from .helpers import llm_span

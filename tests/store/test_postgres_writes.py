@@ -16,7 +16,7 @@ from .helpers import llm_span, rollout
 
 @pytest.fixture
 def pg(pg_url):
-    from lightning_rl.store.postgres_store import PostgresStore
+    from lightning_rl.store.postgres.store import PostgresStore
 
     store = PostgresStore(pg_url, retry_for=5.0)
     yield store

@@ -13,7 +13,7 @@ import lightning_rl as lrl
 from lightning_rl.records import Reward, RewardSource, RolloutStatus
 from lightning_rl.store import (InMemoryStore, PolicyLog, RewardLog, RolloutIndex, RolloutReader, SpanSink, SQLiteStore,
                                 Store, TaskQueue, policy_versions, resolve_rollout_id, wait_for_groups)
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 
 from .helpers import llm_span, rollout
 

@@ -20,7 +20,7 @@ from lightning_rl import diagnostics
 from lightning_rl.records import Reward, Rollout, RolloutStatus, SpanRow
 from lightning_rl.store import wire
 from lightning_rl.store.ops import FinishRollout, StartRollout, TracedSpan
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from .helpers import llm_span, rollout
 

@@ -19,10 +19,10 @@ from lightning_rl import diagnostics
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import QueueStatus, RolloutStatus
 from lightning_rl.store import task_queue
-from lightning_rl.store.http_store import HttpStore
-from lightning_rl.store.postgres_store import PostgresStore
-from lightning_rl.store.server import BackgroundServer
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.http.client import HttpStore
+from lightning_rl.store.postgres.store import PostgresStore
+from lightning_rl.store.http.server import BackgroundServer
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.trainer_bridge.runner import Runner
 
 from ..services import wait_healthy

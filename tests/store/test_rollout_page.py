@@ -11,7 +11,7 @@ import pytest
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus
 from lightning_rl.store.memory_store import InMemoryStore as MemoryStore
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 
 def _fill(store) -> None:
@@ -46,7 +46,7 @@ def _shape(page):
 def _sql_store(kind, request, tmp_path):
     if kind == "sqlite":
         return SQLiteStore(tmp_path / "s.db")
-    from lightning_rl.store.postgres_store import PostgresStore
+    from lightning_rl.store.postgres.store import PostgresStore
 
     return PostgresStore(request.getfixturevalue("pg_url"))
 
@@ -90,8 +90,8 @@ def test_the_reward_sums_the_database_keeps_stay_right(request, tmp_path, kind):
 
 def test_the_store_server_answers_the_same_page(tmp_path):
     pytest.importorskip("fastapi")
-    from lightning_rl.store.http_store import HttpStore
-    from lightning_rl.store.server import BackgroundServer
+    from lightning_rl.store.http.client import HttpStore
+    from lightning_rl.store.http.server import BackgroundServer
 
     with BackgroundServer(tmp_path / "s.db") as server:
         _fill(server.store)

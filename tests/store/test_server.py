@@ -21,9 +21,9 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.records import Rollout, RolloutStatus
 from lightning_rl.store import wait_for_groups
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 from lightning_rl.serving import STORE_SERVER, check_bind
-from lightning_rl.store.server import BackgroundServer
+from lightning_rl.store.http.server import BackgroundServer
 
 from .helpers import llm_span
 
@@ -310,7 +310,7 @@ def test_refused_records_are_never_taken_for_a_dead_process_spill(server, tmp_pa
     code = f"""
 import lightning_rl as lrl, os, time
 from lightning_rl.records import Rollout
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 client = HttpStore({server.url!r}, token="WRONG", spill_dir={str(spill)!r}, retry_for=1)
 for i in range(3):
     client.start_rollout(Rollout(rollout_id=f"refused-{{i}}"))
@@ -341,7 +341,7 @@ def test_spill_files_of_a_dead_process_are_adopted_and_replayed(server, tmp_path
     spill = tmp_path / "spill"
     code = f"""
 import lightning_rl as lrl, os
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 client = HttpStore("http://127.0.0.1:1", spill_dir={str(spill)!r}, retry_for=1)
 lrl.configure(store=client)
 @lrl.trace

@@ -23,10 +23,10 @@ from lightning_rl.cli import main
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import QueueStatus, Rollout, RolloutQuery, RolloutStatus
 from lightning_rl.store import wait_for_groups
-from lightning_rl.store.http_store import HttpStore
+from lightning_rl.store.http.client import HttpStore
 from lightning_rl.store.memory_store import InMemoryStore
-from lightning_rl.store.server import OPEN_PATHS, BackgroundServer, create_app
-from lightning_rl.store.server_auth import (
+from lightning_rl.store.http.server import OPEN_PATHS, BackgroundServer, create_app
+from lightning_rl.store.http.auth import (
     RELOAD_EVERY,
     ROUTE_ROLES,
     mint_token,

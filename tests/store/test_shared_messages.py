@@ -13,7 +13,7 @@ import openai
 import orjson
 
 import lightning_rl as lrl
-from lightning_rl.store.migrations import latest_version
+from lightning_rl.store.sqlite.migrations import latest_version
 from lightning_rl import semconv
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import Span
@@ -21,8 +21,8 @@ from lightning_rl.store.export import chat_examples
 from lightning_rl.store import wire
 from lightning_rl.store.ops import EncodedSpan
 from lightning_rl.store.rows import span_record_values
-from lightning_rl.store.server import BackgroundServer
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.http.server import BackgroundServer
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from .helpers import old_schema_store, rollout, store_with_a_lost_base
 

@@ -13,7 +13,7 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl.records import RolloutStatus, SpanRow
 from lightning_rl.store import SQLiteStore, open_store
-from lightning_rl.store.migrations import APPLICATION_ID, latest_version
+from lightning_rl.store.sqlite.migrations import APPLICATION_ID, latest_version
 
 from .helpers import rollout
 
@@ -154,7 +154,7 @@ def test_synchronous_is_normal_by_default_and_full_on_request(tmp_path, monkeypa
 
 
 def test_a_store_on_a_network_filesystem_is_reported(tmp_path, monkeypatch):
-    from lightning_rl.store import connections
+    from lightning_rl.store.sqlite import connections
 
     mounts = tmp_path / "mounts"
     shared = tmp_path / "shared dir"
@@ -206,7 +206,7 @@ def test_several_processes_write_one_file(tmp_path):
 def test_a_file_created_between_the_checks_two_reads_is_still_ours(tmp_path):
     """CI saw this with three processes: one read application_id (0, file empty), another process
     then committed the new schema, and the first read the tables: tables without our id, refused."""
-    from lightning_rl.store.migrations import check_is_store, migrate
+    from lightning_rl.store.sqlite.migrations import check_is_store, migrate
 
     path = str(tmp_path / "new.db")
     creator = sqlite3.connect(path, isolation_level=None)
@@ -255,7 +255,7 @@ def test_threads_tracing_concurrently_lose_nothing(tmp_path):
 def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
     import sqlite_utils
 
-    from lightning_rl.store.migrations import _MIGRATIONS
+    from lightning_rl.store.sqlite.migrations import _MIGRATIONS
 
     path = tmp_path / "v2.db"
     conn = sqlite3.connect(path, isolation_level=None)
@@ -288,7 +288,7 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
 def test_a_schema_6_file_is_upgraded_and_its_publishes_have_no_lineage(tmp_path):
     import sqlite_utils
 
-    from lightning_rl.store.migrations import _MIGRATIONS
+    from lightning_rl.store.sqlite.migrations import _MIGRATIONS
 
     path = tmp_path / "v6.db"
     conn = sqlite3.connect(path, isolation_level=None)
@@ -323,7 +323,7 @@ def test_a_schema_7_file_gets_rollout_origins(tmp_path):
     """Migration 8 adds Rollout.origin and the start-time indexes; rows written before it read as origin None."""
     import sqlite_utils
 
-    from lightning_rl.store.migrations import _MIGRATIONS
+    from lightning_rl.store.sqlite.migrations import _MIGRATIONS
 
     path = tmp_path / "v7.db"
     conn = sqlite3.connect(path, isolation_level=None)

@@ -94,8 +94,8 @@ def test_task_tool_text_errors_and_tracebacks_never_reach_the_store_nor_a_span_p
 
 
 def test_the_http_store_and_its_spill_folder_get_redacted_records(redaction, tmp_path):
-    from lightning_rl.store.http_store import HttpStore
-    from lightning_rl.store.server import BackgroundServer
+    from lightning_rl.store.http.client import HttpStore
+    from lightning_rl.store.http.server import BackgroundServer
 
     previous = tracing._sink
     with BackgroundServer(tmp_path / "served" / "served.db") as server:

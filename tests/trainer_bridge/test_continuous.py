@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
 from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.publishers import make_publisher

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_rl.errors import ConfigurationError, UnknownNameError
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
 from lightning_rl.trainer_bridge.config import LocalConfig
 from lightning_rl.trainer_bridge.loggers import check_loggers, tracker_metrics

@@ -13,8 +13,8 @@ ray = pytest.importorskip("ray")
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.records import QueueStatus, RolloutStatus  # noqa: E402
 from lightning_rl.store import wait_for_groups  # noqa: E402
-from lightning_rl.store.http_store import HttpStore  # noqa: E402
-from lightning_rl.store.server import BackgroundServer  # noqa: E402
+from lightning_rl.store.http.client import HttpStore  # noqa: E402
+from lightning_rl.store.http.server import BackgroundServer  # noqa: E402
 from lightning_rl.trainer_bridge.ray_runners import start_ray_runners, stop_ray_runners  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

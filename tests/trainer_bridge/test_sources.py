@@ -9,7 +9,7 @@ import pytest
 
 from lightning_rl.errors import ConfigurationError
 from lightning_rl.records import Mode, RolloutStatus
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.trainer_bridge.sources import LiveGroups, ProductionStream, StoredGroups
 from lightning_rl.trainer_bridge.trainer import Trainer
 

@@ -16,7 +16,7 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl import semconv
 from lightning_rl.records import Reward, RewardSource, Rollout, RolloutStatus, Span, SpanTokens
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.sqlite.store import SQLiteStore
 
 from ..conftest import ensure_tiny_model
 

@@ -12,18 +12,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import orjson
 
-from .. import semconv
-from ..records import (
-    PolicyDecision,
-    PolicyRecord,
-    Reward,
-    Rollout,
-    RolloutPage,
-    RolloutQuery,
-    RolloutRow,
-    Span,
-)
-from .rows import (
+from ... import semconv
+from ...records import PolicyDecision, PolicyRecord, Reward, Rollout, RolloutPage, RolloutQuery, Span
+from ..kit import rollout_sql
+from ..rows import (
     DECISION_COLUMNS,
     decision_from_row,
     REWARD_COLUMNS,
@@ -65,53 +57,16 @@ def rewards_of(conn: sqlite3.Connection, rollout_id: str) -> list[Reward]:
 
 def query_rollouts(conn: sqlite3.Connection, *, mode: str | None, status: str | None, since: float | None,
                    min_policy_version: int | None, limit: int | None, newest_first: bool) -> list[Rollout]:
-    where, params = [], []
-    for clause, value in (("mode = ?", mode), ("status = ?", status), ("start_time >= ?", since),
-                          ("policy_version >= ?", min_policy_version)):
-        if value is not None:
-            where.append(clause)
-            params.append(value)
-    sql = _ROLLOUT + (" WHERE " + " AND ".join(where) if where else "")
-    sql += " ORDER BY start_time DESC, rowid DESC" if newest_first else " ORDER BY start_time, rowid"
-    if limit is not None:
-        sql += " LIMIT ?"
-        params.append(int(limit))
-    return rollouts_from_rows(conn.execute(sql, params).fetchall())
+    st = rollout_sql.rollouts_statement(rollout_sql.SQLITE, mode=mode, status=status, since=since,
+                                        min_policy_version=min_policy_version, limit=limit, newest_first=newest_first)
+    return rollouts_from_rows(conn.execute(st.sql, st.params).fetchall())
 
 
 def rollout_page(conn: sqlite3.Connection, query: RolloutQuery) -> RolloutPage:
-    """Filters and sorts on the rollouts' own columns (indexed by mode, start and reward): the sum and count of
-    each rollout's ``reward`` rewards are columns the database keeps (migration 11), so no page aggregates."""
-    where, params = [], []
-    for column, value in (("mode", query.mode), ("status", query.status), ("agent", query.agent),
-                          ("group_id", query.group_id), ("policy_version", query.policy_version)):
-        if value is not None:
-            where.append(f"{column} = ?")
-            params.append(value.value if hasattr(value, "value") else value)
-    if query.text:
-        pattern = "%" + query.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where.append("(task LIKE ? ESCAPE '\\' OR rollout_id LIKE ? ESCAPE '\\')")
-        params += [pattern, pattern]
-    if query.reward_min is not None:
-        where.append("reward_sum >= ?")
-        params.append(query.reward_min)
-    if query.reward_max is not None:
-        where.append("reward_sum <= ?")
-        params.append(query.reward_max)
-    clause = (" WHERE " + " AND ".join(where)) if where else ""
-    direction = "DESC" if query.descending else "ASC"
-    column = "reward_sum" if query.sort == "reward" else query.sort
-    # columns that are never NULL sort without the NULLs-last term, so an index can give the order
-    nulls_last = "" if query.sort in ("start_time", "status", "mode", "rollout_id") else f"{column} IS NULL, "
-    order = f"{nulls_last}{column} {direction}, start_time {direction}, rowid {direction}"
-    total = conn.execute(f"SELECT count(*) FROM rollouts{clause}", params).fetchone()[0]
-    found = conn.execute(f"SELECT {', '.join(ROLLOUT_COLUMNS)}, reward_sum, reward_count FROM rollouts{clause} "
-                         f"ORDER BY {order} LIMIT ? OFFSET ?", (*params, query.limit, query.offset)).fetchall()
-    n = len(ROLLOUT_COLUMNS)
-    sums = {row[0]: (row[n] if row[n + 1] else None, row[n + 1]) for row in found}
-    rows = [RolloutRow(rollout=rollout, reward=sums[rollout.rollout_id][0], rewards=sums[rollout.rollout_id][1])
-            for rollout in rollouts_from_rows([row[:n] for row in found])]
-    return RolloutPage(rows=rows, total=total)
+    """Filters and sorts on the rollouts' own columns (indexed by mode, start and reward; ``kit/rollout_sql.py``)."""
+    count, rows = rollout_sql.page_statements(rollout_sql.SQLITE, query)
+    total = conn.execute(count.sql, count.params).fetchone()[0]
+    return rollout_sql.page_from_rows(conn.execute(rows.sql, rows.params).fetchall(), total)
 
 
 def existing_ids(conn: sqlite3.Connection, rollout_ids: Iterable[str]) -> set[str]:

@@ -6,7 +6,7 @@ Rules (``task_queue.py`` states the queue's; these are how PostgreSQL keeps them
   index ``queue_leased_expiry``: only those rows are read or written), finds a retried request's rows by
   runner and key (``queue_leased_key``), and takes up to ``limit`` queued rows with ``FOR UPDATE SKIP
   LOCKED`` (two runners, on two servers or connected directly, never get the same try). The swept tries'
-  rollouts are marked ``timed_out`` in the same transaction (``postgres_sql.expire_try``).
+  rollouts are marked ``timed_out`` in the same transaction (``sql.expire_try``).
 * Expiry is on the database's clock (``clock_timestamp()``): a lease's end is set by a lease or a
   heartbeat and compared by a sweep on that one clock, so a runner's own clock may be off by hours.
 * A waiting lease (``wait=``) sleeps until an enqueue or a re-queue NOTIFYs the store's channel
@@ -20,11 +20,11 @@ import hashlib
 import threading
 from typing import Any
 
-from ..diagnostics import count, report_failure
-from ..records import QueueEntry
-from . import task_queue
-from .postgres_sql import expire_try
-from .rows import QUEUE_COLUMNS, queue_from_values
+from ...diagnostics import count, report_failure
+from ...records import QueueEntry
+from .. import task_queue
+from .sql import expire_try
+from ..rows import QUEUE_COLUMNS, queue_from_values
 
 _COLS = ", ".join(f"q.{c}" for c in QUEUE_COLUMNS)
 _NOW = "extract(epoch FROM clock_timestamp())::float8"

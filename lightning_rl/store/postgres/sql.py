@@ -24,9 +24,9 @@ from typing import Any
 
 import orjson
 
-from .. import semconv
-from ..diagnostics import count
-from ..records import (
+from ... import semconv
+from ...diagnostics import count
+from ...records import (
     PolicyDecision,
     PolicyRecord,
     QueueEntry,
@@ -35,14 +35,15 @@ from ..records import (
     Rollout,
     RolloutPage,
     RolloutQuery,
-    RolloutRow,
     RolloutStatus,
     Span,
     allowed_from,
 )
-from .ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
-from .postgres_schema import LOCK_REWARDS
-from .rows import (
+from ..kit import rollout_sql
+from ..kit.base import sort_ops
+from ..ops import FinishRollout, Op, Quarantine
+from .schema import LOCK_REWARDS
+from ..rows import (
     DECISION_COLUMNS,
     decision_from_row,
     decision_values,
@@ -56,10 +57,9 @@ from .rows import (
     reward_values,
     rollout_values,
     rollouts_from_rows,
-    span_values,
     spans_from_rows,
 )
-from .tokens import PrefixSharer
+from ..tokens import PrefixSharer
 
 
 def _insert(table: str, columns: Sequence[str], conflict: str = "") -> str:
@@ -98,26 +98,12 @@ def apply_ops(conn: Any, ops: Iterable[Op], sharer: PrefixSharer) -> list[str]:
     ``INSERT`` costs); a batch of which a row is there already (a retry after a lost answer, a spill written
     back, a late start of an expired try) fails that ``COPY`` on its unique key and is written again, whole,
     by ``INSERT ... ON CONFLICT DO NOTHING`` (counted: ``pg_batches_rewritten``)."""
-    rows = _Rows()
+    batch = sort_ops(ops)
     share = sharer.share
-    for op in ops:
-        kind = type(op)
-        if kind is TracedSpan:
-            rows.spans.append(clean_text(share(span_values(op.row))))
-        elif kind is EncodedSpan:
-            rows.spans.append(clean_text(share(op.values)))
-        elif kind is StartRollout:
-            rows.rollouts.append(clean_text(rollout_values(op.rollout)))
-        elif kind is WriteReward:
-            rows.rewards.append(clean_text(reward_values(op.reward)))
-        elif kind is FinishRollout:
-            rows.finishes.append(op)
-        elif kind is ExpireTry:
-            rows.expires.append(op.tombstone)
-        elif kind is Quarantine:
-            rows.notes.append(op)
-        else:
-            raise TypeError(f"not a writer op: {op!r:.80}")
+    rows = _Rows(rollouts=[clean_text(rollout_values(r)) for r in batch.rollouts],
+                 spans=[clean_text(share(values)) for values in batch.spans],
+                 rewards=[clean_text(reward_values(r)) for r in batch.rewards],
+                 finishes=batch.finishes, expires=batch.expires, notes=batch.notes)
     try:
         _write(conn, rows, copy=True)
     except Exception as exc:
@@ -210,7 +196,7 @@ def expire_try(cur: Any, tombstone: Rollout) -> None:
 
 def insert_quarantine(cur: Any, note: Quarantine) -> bool:
     """A row of the ``quarantine`` table (in the caller's transaction); False if it was there already."""
-    from .quarantine import digest_of
+    from ..quarantine import digest_of
 
     text = note.payload.encode("utf-8", "surrogatepass").decode("utf-8", "replace").replace(_NUL, "\ufffd")
     cur.execute("INSERT INTO quarantine (time, kind, rollout_id, reason, payload, digest) "
@@ -292,52 +278,17 @@ def data_of(conn: Any, rollout_ids: Sequence[str]) -> Iterator[tuple[Rollout, li
 
 def query_rollouts(conn: Any, *, mode: str | None, status: str | None, since: float | None,
                    min_policy_version: int | None, limit: int | None, newest_first: bool) -> list[Rollout]:
-    where, params = [], []
-    for clause, value in (("mode = %s", mode), ("status = %s", status), ("start_time >= %s", since),
-                          ("policy_version >= %s", min_policy_version)):
-        if value is not None:
-            where.append(clause)
-            params.append(value)
-    sql = _ROLLOUT + (" WHERE " + " AND ".join(where) if where else "")
-    sql += " ORDER BY start_time DESC, row_order DESC" if newest_first else " ORDER BY start_time, row_order"
-    if limit is not None:
-        sql += " LIMIT %s"
-        params.append(int(limit))
-    return rollouts_from_rows(_rows(conn, sql, params))
+    st = rollout_sql.rollouts_statement(rollout_sql.POSTGRES, mode=mode, status=status, since=since,
+                                        min_policy_version=min_policy_version, limit=limit, newest_first=newest_first)
+    return rollouts_from_rows(_rows(conn, st.sql, st.params))
 
 
 def rollout_page(conn: Any, query: RolloutQuery) -> RolloutPage:
-    """As the SQLite store's: filters and sorts on the rollouts' own columns, the reward sums included (kept by
-    the database's triggers, ``postgres_schema.py``), so no page aggregates. Text search ignores case."""
-    where, params = [], []
-    for column, value in (("mode", query.mode), ("status", query.status), ("agent", query.agent),
-                          ("group_id", query.group_id), ("policy_version", query.policy_version)):
-        if value is not None:
-            where.append(f"{column} = %s")
-            params.append(value.value if hasattr(value, "value") else value)
-    if query.text:
-        pattern = "%" + query.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where.append("(task ILIKE %s OR rollout_id ILIKE %s)")
-        params += [pattern, pattern]
-    if query.reward_min is not None:
-        where.append("reward_sum >= %s")
-        params.append(query.reward_min)
-    if query.reward_max is not None:
-        where.append("reward_sum <= %s")
-        params.append(query.reward_max)
-    clause = (" WHERE " + " AND ".join(where)) if where else ""
-    direction = "DESC" if query.descending else "ASC"
-    column = "reward_sum" if query.sort == "reward" else query.sort
-    nulls = " NULLS LAST" if query.sort not in ("start_time", "status", "mode", "rollout_id") else ""
-    order = f"{column} {direction}{nulls}, start_time {direction}, row_order {direction}"
-    (total,), = _rows(conn, f"SELECT count(*) FROM rollouts{clause}", params)
-    found = _rows(conn, f"SELECT {', '.join(ROLLOUT_COLUMNS)}, reward_sum, reward_count FROM rollouts{clause} "
-                        f"ORDER BY {order} LIMIT %s OFFSET %s", (*params, query.limit, query.offset))
-    n = len(ROLLOUT_COLUMNS)
-    sums = {row[0]: (row[n] if row[n + 1] else None, row[n + 1]) for row in found}
-    rows = [RolloutRow(rollout=rollout, reward=sums[rollout.rollout_id][0], rewards=sums[rollout.rollout_id][1])
-            for rollout in rollouts_from_rows([row[:n] for row in found])]
-    return RolloutPage(rows=rows, total=total)
+    """As the SQLite store's (``kit/rollout_sql.py``; the reward sums are kept by the database's triggers,
+    ``postgres/schema.py``). Text search ignores case."""
+    count, rows = rollout_sql.page_statements(rollout_sql.POSTGRES, query)
+    (total,), = _rows(conn, count.sql, count.params)
+    return rollout_sql.page_from_rows(_rows(conn, rows.sql, rows.params), total)
 
 
 def existing_ids(conn: Any, rollout_ids: Iterable[str]) -> set[str]:
@@ -390,7 +341,7 @@ def query_policies(conn: Any, served_name: str | None, *, latest: bool = False) 
 
 
 def read_quarantine(conn: Any, limit: int) -> list[Any]:
-    from ..records import QuarantinedRecord
+    from ...records import QuarantinedRecord
 
     return [QuarantinedRecord(quarantine_id=q, time=t, kind=k, rollout_id=r, reason=why, payload=text)
             for q, t, k, r, why, text in _rows(

@@ -1,4 +1,4 @@
-"""The store server's routes for policies and decisions, and for the task queue (``server.py`` builds the
+"""The store server's routes for policies and decisions, and for the task queue (``http/server.py`` builds the
 app; these map one to one onto the store's ``PolicyLog`` and ``TaskQueue`` methods), with the response
 and OpenAPI helpers every route uses."""
 
@@ -12,11 +12,11 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..diagnostics import count
-from ..records import PolicyDecision, PolicyRecord, QueueEntry
-from . import wire
-from .protocols import Store
-from .server_auth import queue_listing_refused
+from ...diagnostics import count
+from ...records import PolicyDecision, PolicyRecord, QueueEntry
+from .. import wire
+from ..protocols import Store
+from .auth import queue_listing_refused
 
 #: how many waiting lease requests one server holds at once (each a blocked thread; more queue for a thread)
 LEASE_WAITERS = 512

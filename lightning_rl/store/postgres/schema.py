@@ -1,6 +1,6 @@
 """The PostgreSQL store's schema: recorded migrations, in a PostgreSQL schema of the store's own.
 
-The tables and columns are the SQLite store's (``migrations.py``, schema 10), with PostgreSQL types and
+The tables and columns are the SQLite store's (``sqlite/migrations.py``, schema 10), with PostgreSQL types and
 text compared byte by byte (``COLLATE "C"``, SQLite's BINARY: the same order, and prefix ranges on ids):
 the same row tuples (``rows.py``) go in and come out, so every reader and the writer's prefix sharing
 are shared. They live in a schema of their own (``lightning_rl`` by default, ``?schema=NAME`` in the
@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..diagnostics import logger
-from ..errors import NotAStoreError, SchemaTooNewError
-from ..registry import Registry
+from ...diagnostics import logger
+from ...errors import NotAStoreError, SchemaTooNewError
+from ...registry import Registry
 
 MIGRATIONS_TABLE = "_lightning_rl_migrations"
 MARKER_TABLE = "_lightning_rl_store"

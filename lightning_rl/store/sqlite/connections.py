@@ -11,8 +11,8 @@ import os
 import sqlite3
 from pathlib import Path
 
-from ..errors import StoreError
-from ..settings import check_synchronous
+from ...errors import StoreError
+from ...settings import check_synchronous
 from .migrations import check_is_store
 
 

@@ -12,20 +12,12 @@ from typing import Any
 
 import orjson
 
-from ..diagnostics import count
-from ..records import PolicyDecision, PolicyRecord, QueueEntry, QueueStatus, RolloutStatus, allowed_from
-from .ops import (
-    EncodedSpan,
-    ExpireTry,
-    FinishRollout,
-    Op,
-    Quarantine,
-    StartRollout,
-    TracedSpan,
-    WriteReward,
-)
-from .quarantine import insert_quarantine
-from .rows import (
+from ...diagnostics import count
+from ...records import PolicyDecision, PolicyRecord, QueueEntry, QueueStatus, RolloutStatus, allowed_from
+from ..kit.base import sort_ops
+from ..ops import Op
+from ..quarantine import insert_quarantine
+from ..rows import (
     DECISION_COLUMNS,
     decision_values,
     QUEUE_COLUMNS,
@@ -36,9 +28,8 @@ from .rows import (
     queue_values,
     reward_values,
     rollout_values,
-    span_values,
 )
-from .tokens import PrefixSharer
+from ..tokens import PrefixSharer
 
 
 def _insert(table: str, columns: Sequence[str], rows: int = 1) -> str:
@@ -70,26 +61,12 @@ def apply_ops(conn: sqlite3.Connection, ops: Iterable[Op], sharer: PrefixSharer)
     """Write ``ops`` in one transaction: starts, spans (prompts and messages prefix-shared by ``sharer``),
     rewards, then finishes, then the queue's expiries (its word is final), then descriptions for the
     quarantine. Returns the rollouts that finished (their shared prefixes can be forgotten)."""
-    rollouts, spans, rewards, finishes, expires, quarantined = [], [], [], [], [], []
+    batch = sort_ops(ops)
     share = sharer.share
-    for op in ops:
-        kind = type(op)
-        if kind is TracedSpan:
-            spans.append(share(span_values(op.row)))
-        elif kind is EncodedSpan:
-            spans.append(share(op.values))
-        elif kind is StartRollout:
-            rollouts.append(rollout_values(op.rollout))
-        elif kind is WriteReward:
-            rewards.append(reward_values(op.reward))
-        elif kind is FinishRollout:
-            finishes.append(op)
-        elif kind is ExpireTry:
-            expires.append(op.tombstone)
-        elif kind is Quarantine:
-            quarantined.append(op)
-        else:
-            raise TypeError(f"not a writer op: {op!r:.80}")
+    rollouts = [rollout_values(r) for r in batch.rollouts]
+    spans = [share(values) for values in batch.spans]
+    rewards = [reward_values(r) for r in batch.rewards]
+    finishes, expires, quarantined = batch.finishes, batch.expires, batch.notes
     conn.execute("BEGIN IMMEDIATE")
     try:
         if rollouts:

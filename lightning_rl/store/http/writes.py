@@ -4,7 +4,7 @@
 that one, then to each other in turn while they fail. :class:`BatchSender`: the writer's ops encoded as
 wire JSON, posted in batches, spilled to a local file while no server answers, and replayed from it,
 oldest first, before anything newer. A batch a server refuses (4xx) is kept in a ``rejected-*`` file
-with the reason (``http_store.py`` describes the behaviour a runner sees)."""
+with the reason (``http/client.py`` describes the behaviour a runner sees)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from ..boundaries import safe_text
-from ..diagnostics import count, report_failure
-from ..errors import ConfigurationError
-from . import wire
-from .uri import redacted
-from .ops import Op
-from .spill import SpillFiles
+from ...boundaries import safe_text
+from ...diagnostics import count, report_failure
+from ...errors import ConfigurationError
+from .. import wire
+from ..uri import redacted
+from ..ops import Op
+from ..spill import SpillFiles
 
 _RETRY_DELAYS = (0.05, 0.2, 0.5)  # a batch is spilled after these (about 0.75 s of trying)
 PROBE_EVERY = 0.5  # while spilling, the server is tried again at most this often

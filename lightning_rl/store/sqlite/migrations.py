@@ -14,8 +14,8 @@ from collections.abc import Callable
 import orjson
 import sqlite_utils
 
-from ..diagnostics import logger
-from ..errors import NotAStoreError, SchemaTooNewError
+from ...diagnostics import logger
+from ...errors import NotAStoreError, SchemaTooNewError
 
 APPLICATION_ID = 0x4C524C31  # "LRL1"
 MIGRATIONS_TABLE = "_lightning_rl_migrations"
@@ -107,8 +107,8 @@ def _policies(db: sqlite_utils.Database) -> None:
 
 @migration(5, "packed, prefix-shared token arrays beside span attributes")
 def _packed_tokens(db: sqlite_utils.Database) -> None:
-    from .rows import lift_token_attributes, token_values
-    from .tokens import PrefixSharer
+    from ..rows import lift_token_attributes, token_values
+    from ..tokens import PrefixSharer
 
     spans = db["spans"]
     for name, kind in (("prompt_base_seq", int), ("prompt_shared", int), ("prompt_ids", bytes),
@@ -244,8 +244,8 @@ def _quarantine(db: sqlite_utils.Database) -> None:
 
 @migration(10, "message text beside span attributes, prefix-shared like token ids")
 def _shared_messages(db: sqlite_utils.Database) -> None:
-    from .rows import lift_messages
-    from .tokens import PrefixSharer
+    from ..rows import lift_messages
+    from ..tokens import PrefixSharer
 
     spans = db["spans"]
     for name, kind in (("input_base_seq", int), ("input_shared", int), ("input_messages", str),
