@@ -32,7 +32,7 @@ class SpanSink(Protocol):
         policy_version: int | None = None,
     ) -> None: ...
 
-    # Optional: ``latest_policies() -> dict[str, PolicyRecord]``, the latest publish of each served name
-    # (every store has it: its PolicyLog); the tracer stamps LLM calls with those versions.
+    # Optional: ``latest_policies()`` and ``latest_decisions()`` (``tracer/versions.py`` ``PolicyLogReader``;
+    # every store has them: its PolicyLog); the tracer stamps LLM calls with the versions and routes canaries.
 
     def flush(self, timeout: float | None = None) -> bool: ...

@@ -1,8 +1,14 @@
 """Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
 
-bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving, sink) <- tracer <- adapters; bottom <- store;
-tracer, adapters and store <- gateway; store and trainer_bridge <- viewer; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
+bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving, sink) <- tracer <- capture <- adapters;
+bottom <- store; tracer, capture and store <- gateway; the gateway and the adapters both stand on capture (the exchange
+record, the dialects) and never import each other; store and trainer_bridge <- viewer; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
 functions count too: a lazy import still runs against the flow.
+
+Inside the store (a kit, docs/extending.md): a backend is its folder or its module (``STORE_BACKENDS``); a module
+kept at its path from before the folders (it puts the moved module in ``sys.modules`` in its place) is the
+backend's it imports. No backend imports another, and the rest of the store (the kit, the protocols, the shared
+machinery) imports none: only the store's own ``__init__`` imports them all, which registers their URL schemes.
 """
 
 from __future__ import annotations
@@ -17,16 +23,21 @@ BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {
-    "bottom": {"tracer", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway", "viewer", "rewards", "judge"},
-    "tracer": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
-    "store": {"tracer", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
+    "bottom": {"tracer", "capture", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway", "viewer",
+               "rewards", "judge"},
+    "tracer": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
+    "capture": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
+    "store": {"tracer", "capture", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
     "adapters": {"store", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
-    "gateway": {"trainer_bridge", "face", "viewer"},  # the tracer and its openai adapter behind HTTP
-    "viewer": {"tracer", "adapters", "gateway", "face"},  # reads the store; the trainer's advantage function
+    "gateway": {"adapters", "trainer_bridge", "face", "viewer"},  # the tracer and the capture core behind HTTP
+    "viewer": {"tracer", "capture", "adapters", "gateway", "face"},  # reads the store; the trainer's advantage function
     "trainer_bridge": {"viewer"},
-    "rewards": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},  # helpers over the tracer
-    "judge": {"tracer", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP, over a store
+    "rewards": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},  # helpers over the tracer
+    "judge": {"tracer", "capture", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP, over a store
 }
+
+
+STORE_BACKENDS = {"sqlite", "postgres", "http", "memory_store"}
 
 
 def layer_of(dotted: str) -> str:
@@ -68,6 +79,24 @@ def violations(source: str, module: str, *, is_package: bool = False) -> list[st
                   if layer_of(target) in banned and layer_of(target) != own)
 
 
+def store_backend_of(dotted: str) -> str | None:
+    """``lightning_rl.store.postgres.sql`` -> ``postgres``; a module outside every backend -> None."""
+    parts = dotted.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "store" and parts[2] in STORE_BACKENDS else None
+
+
+def store_violations(source: str, module: str, *, is_package: bool = False) -> list[str]:
+    """The store's own rule (module doc): which backends ``module`` may import."""
+    if layer_of(module) != "store" or module == "lightning_rl.store":
+        return []
+    targets = {t for t in imported_modules(source, module, is_package=is_package) if layer_of(t) == "store"}
+    own = store_backend_of(module)
+    if own is None and "sys.modules[__name__] =" in source:  # a kept path: the backend of the module it is
+        own = next((b for b in map(store_backend_of, targets) if b is not None), None)
+    return sorted(f"{module} (store: {own or 'shared'}) imports {target} (store: {store_backend_of(target)})"
+                  for target in targets if store_backend_of(target) not in (None, own))
+
+
 def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
@@ -82,10 +111,30 @@ def test_no_import_runs_against_the_flow():
     assert found == []
 
 
+def test_no_store_backend_imports_another_and_the_shared_store_imports_none():
+    found = [v for dotted, path, is_package in _modules()
+             for v in store_violations(path.read_text(), dotted, is_package=is_package)]
+    assert found == []
+
+
+@pytest.mark.parametrize("source,module,expected", [
+    ("from ..sqlite.store import SQLiteStore", "lightning_rl.store.postgres.store", ["sqlite"]),
+    ("def f():\n    from ..postgres import sql", "lightning_rl.store.kit.backends", ["postgres"]),
+    ("from .memory_store import InMemoryStore", "lightning_rl.store.queries", ["memory_store"]),
+    ("from .. import checks, wire\nfrom . import reads", "lightning_rl.store.sqlite.store", []),
+    ("import sys\nfrom .http import server as _moved\nsys.modules[__name__] = _moved", "lightning_rl.store.server", []),
+    ("from .http import server", "lightning_rl.store.server", ["http"]),
+])
+def test_the_store_rule_catches_a_backend_import(source, module, expected):
+    got = store_violations(source, module)
+    assert [v.rsplit("(store: ", 1)[1].rstrip(")") for v in got] == expected
+
+
 def test_every_package_module_is_in_a_known_layer():
     layers = {layer_of(dotted) for dotted, _, _ in _modules()}
-    assert layers <= {"bottom", "face", "tracer", "store", "adapters", "trainer_bridge", "vllm_server", "gateway", "viewer", "rewards", "judge"}
-    assert {"bottom", "tracer", "store", "adapters"} <= layers
+    assert layers <= {"bottom", "face", "tracer", "capture", "store", "adapters", "trainer_bridge", "vllm_server", "gateway",
+                      "viewer", "rewards", "judge"}
+    assert {"bottom", "tracer", "capture", "store", "adapters", "gateway"} <= layers
 
 
 @pytest.mark.parametrize("source,module,is_package,expected", [
@@ -96,7 +145,14 @@ def test_every_package_module_is_in_a_known_layer():
     ("from .tracer import tracing", "lightning_rl.records", False, ["tracer"]),
     ("from ..store import Store", "lightning_rl.tracer", True, ["store"]),
     ("from ..records import SpanRow\nfrom .. import semconv", "lightning_rl.store.rows", False, []),
-    ("from . import wire", "lightning_rl.store.server", False, []),
+    ("from .. import wire", "lightning_rl.store.http.server", False, []),
+    ("from ..adapters.openai import instrument", "lightning_rl.gateway.forwarding", False, ["adapters"]),
+    ("from ...adapters import http_clients", "lightning_rl.capture.dialects.chat", False, ["adapters"]),
+    ("def f():\n    from ..gateway import proxy", "lightning_rl.capture.exchange", False, ["gateway"]),
+    ("from ..capture import CapturedCall\nfrom ..capture.dialects import DIALECTS", "lightning_rl.gateway.forwarding",
+     False, []),
+    ("from ..capture import Server", "lightning_rl.adapters.openai", False, []),
+    ("from .. import capture", "lightning_rl.tracer.provider", False, ["capture"]),
 ])
 def test_the_checker_catches_each_kind_of_import(source, module, is_package, expected):
     got = violations(source, module, is_package=is_package)

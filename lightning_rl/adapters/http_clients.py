@@ -10,7 +10,7 @@ Inside a rollout, a POST to an OpenAI or Anthropic endpoint path is an LLM call:
 
 * **Through httpx or httpx2, to an engine** (not a hosted API): captured with the engine's token ids,
   as the gateway captures them. A chat or text completion gets ``return_token_ids`` and ``logprobs``
-  (``capture.py`` says which servers) and its answer, whole or streamed, is handed back without them.
+  (``capture/exchange.py`` says which servers) and its answer, whole or streamed, is handed back without them.
   A Responses or Anthropic Messages request is sent to the engine as chat completions through its
   dialect (``dialects/``) and answered in its own format, streamed or not; what the dialect cannot
   carry is answered 400 naming it. Counted per library (``llm_calls_captured_at_http_layer:<library>``).
@@ -39,9 +39,9 @@ from ..errors import EngineRefusal, TranslationError
 from .. import semconv
 from ..diagnostics import count, report_failure
 from ..tracer.context import _rollout
-from .capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
-from .dialects import DIALECTS, MESSAGES, Dialect
-from .dialects.chat import ChatRenderer, relay_line, strip
+from ..capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
+from ..capture.dialects import DIALECTS, MESSAGES, Dialect
+from ..capture.dialects.chat import ChatRenderer, relay_line, strip
 
 #: Set by the openai adapter around the OpenAI client's requests that it records itself.
 instrumented_request: ContextVar[bool] = ContextVar("lightning_rl_instrumented_request", default=False)

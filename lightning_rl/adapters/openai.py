@@ -6,9 +6,9 @@
 are all seen. Outside a rollout the wrapper only checks a contextvar and calls through.
 
 Inside a rollout, each ``/chat/completions`` or ``/completions`` request becomes a
-:class:`~lightning_rl.adapters.capture.CapturedCall` (the capture core: the GenAI span, the engine's
+:class:`~lightning_rl.capture.CapturedCall` (the capture core: the GenAI span, the engine's
 ``prompt_token_ids``, ``token_ids`` and log-probs): the adapter hands it the server and the request,
-sends the fields it adds (``return_token_ids``, ``logprobs``, which servers get them: ``capture.py``),
+sends the fields it adds (``return_token_ids``, ``logprobs``, which servers get them: ``capture/exchange.py``),
 and the client's response or stream back to it. Other endpoints go on to the HTTP layer
 (``http_clients.py``), which records the Responses API through chat completions. Nothing here raises
 into the caller: failures are logged once per cause and counted.
@@ -23,7 +23,7 @@ from typing import Any
 from .. import semconv
 from ..diagnostics import report_failure
 from ..tracer.context import _rollout
-from .capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
+from ..capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
 from .http_clients import instrumented_request
 
 

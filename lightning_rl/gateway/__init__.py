@@ -2,7 +2,7 @@
 
 ``proxy.py`` holds the gateway's state and says what each route does; ``auth.py`` who may do what;
 ``rollouts.py`` the rollouts opened over HTTP and the spans sent to them; ``forwarding.py`` the calls to
-the engines (captured by ``adapters/capture.py``, in the dialects of ``adapters/dialects``);
+the engines (captured by ``capture/exchange.py``, in the dialects of ``capture/dialects``);
 ``upstream.py`` the keep-alive client to the engines; ``otlp.py`` decodes an agent's OpenTelemetry
 spans; ``app.py`` serves it all; ``command.py`` is ``lrl.command``.
 """

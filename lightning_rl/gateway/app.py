@@ -1,5 +1,5 @@
 """The gateway's app: FastAPI for the rollout, reward, finish and OTLP routes, and a raw ASGI front for the
-calls (``_CallFront``: the hot path, no framework in it) in each dialect (``adapters/dialects``); the
+calls (``_CallFront``: the hot path, no framework in it) in each dialect (``capture/dialects``); the
 sweeps; serving it (``serve``, ``BackgroundGateway``). What each route does: ``proxy.py``'s doc."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 
 from .. import semconv
-from ..adapters.dialects import DIALECTS, MESSAGES, RESPONSES, Dialect
-from ..adapters.dialects.chat import error as openai_error
+from ..capture.dialects import DIALECTS, MESSAGES, RESPONSES, Dialect
+from ..capture.dialects.chat import error as openai_error
 from ..boundaries import json_problem, message_problems
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError, GatewayError, OTLPDecodeError, OTLPTooLarge, TranslationError, UpstreamError

@@ -1,5 +1,5 @@
 """The gateway's calls: each goes to an engine (a rollout sticks to its own; a new one goes to the least
-busy of those up), is captured by the capture core (``adapters/capture.py``) and answered whole or as a
+busy of those up), is captured by the capture core (``capture/exchange.py``) and answered whole or as a
 stream relayed as it comes (``Relay``). Tool messages in a conversation become tool spans."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import orjson
 
 from ..errors import EngineRefusal, GatewayError, UpstreamError
 from .. import semconv
-from ..adapters.capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
-from ..adapters.dialects.chat import ChatRenderer, relay_line, strip
+from ..capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
+from ..capture.dialects.chat import ChatRenderer, relay_line, strip
 from ..diagnostics import count
 from ..tracer.context import rollout_scope
 from ..tracer.provider import current_span_of_ours, record_tool_span

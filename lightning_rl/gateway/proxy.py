@@ -4,7 +4,7 @@ An HTTP server (uvicorn; FastAPI for its admin routes; a lean keep-alive client 
 engines (vLLM). An agent that cannot import lightning_rl (a Node or Go service, a CLI, a container)
 opens a rollout over HTTP and points its OpenAI client at the rollout: every call it makes is
 forwarded to an engine and recorded as ``@trace`` records a Python agent's calls, through the same
-code (the capture core, ``adapters/capture.py``): the same spans with the engine's token ids and log-probs, the
+code (the capture core, ``capture/exchange.py``): the same spans with the engine's token ids and log-probs, the
 same rollouts and rewards, in whatever store the tracer writes to (a SQLite file or the store server).
 
 Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "code": status, "details": [...]}}``):
@@ -21,12 +21,12 @@ Routes (JSON bodies; errors in OpenAI's shape, ``{"error": {"message": ..., "cod
   of the answer what the client did not ask for; the rest is what the engine sent. An agent name per
   call: ``.../rollouts/{id}/agents/{agent}/v1/...`` or the ``X-Lightning-RL-Agent`` header.
 * ``POST .../v1/messages``: Anthropic Messages, sent to the engine as chat completions and answered
-  in the Messages format, streamed or not (``adapters/dialects/anthropic.py``); the key also as ``x-api-key``.
+  in the Messages format, streamed or not (``capture/dialects/anthropic.py``); the key also as ``x-api-key``.
   Claude Code's sub-agent and compaction calls are named as such (``coding_agents.claude_code_lineage``). A
   request the dialect cannot carry is answered 400 in the dialect's error shape and kept on the rollout (a
   ``request refused`` event of its root span); a path with ``/v1`` twice (a client given a base URL with
   ``/v1`` that adds its own) is answered 404 naming the fix.
-* ``POST .../v1/responses``: the OpenAI Responses API, the same way (``adapters/dialects/responses.py``).
+* ``POST .../v1/responses``: the OpenAI Responses API, the same way (``capture/dialects/responses.py``).
 * ``POST /v1/traces`` (and under a rollout's path): OTLP/HTTP spans from the agent's own
   OpenTelemetry SDK, added to the rollout they name (``otlp.py``).
 * Tool spans come from the conversation itself: a ``tool`` message answering one of the assistant's
@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..adapters.capture import Server
+from ..capture import Server
 from ..errors import ConfigurationError
 from ..tracer.provider import tracing
 from .auth import Auth

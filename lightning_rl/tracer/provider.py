@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,15 +22,15 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from .. import semconv
-from ..boundaries import check_int
 from ..diagnostics import count, report_failure
 from ..errors import ConfigurationError
 from ..records import PackedTokens, SpanRow
 from ..settings import Settings, load_redactor
-from .canary import Canary, canaries_from
+from .canary import Canary
 from .context import _our_span, _rollout
 from .records import KIND_NAMES, STATUS_NAMES, RecordSpan, RecordTracer
 from .redaction import FAILED, redact_readable, redact_row
+from .versions import PolicyVersions
 from ..sink import SpanSink
 
 INSTRUMENTATION_NAME = "lightning_rl"
@@ -135,23 +134,16 @@ class RolloutSpanProcessor(SpanProcessor):
 
 
 class Tracing:
-    """Process-wide tracing state: private provider, tracer, sink, settings, policy versions."""
+    """Process-wide tracing state: private provider, tracer, sink, settings; the policy versions and canaries
+    (``versions.py``) behind the same methods as before."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.settings = Settings.from_env()
         self._sink: SpanSink | None = None
         self._sink_factory: Callable[[str], SpanSink] | None = None
-        # name -> (version, when it was learned); None is the default for names never published.
-        self._policy_versions: dict[str | None, int] = {None: self.settings.policy_version}
-        self._set_at: dict[str | None, float] = {}
-        # the store's latest publish of each name: (version, time, served_as: its versioned name or None)
-        self._published: dict[str, tuple[int, float, str | None]] = {}
-        # name -> (its versioned name, version) as this process published it (set_policy_version); one tuple: atomic
-        self._served_as: dict[str | None, tuple[str, int] | None] = {}
-        self._published_at = float("-inf")
-        self._canaries: dict[str, Canary] = {}  # the candidates on canary, by the live name (canary.py)
-        self._refreshing: threading.Thread | None = None
+        #: this process's policy versions and the store's publishes and canaries (versions.py)
+        self.versions = PolicyVersions(self.settings, self.current_sink)
         limits = SpanLimits(
             max_span_attributes=512,
             max_events=1024,
@@ -228,7 +220,7 @@ class Tracing:
         with self._lock:
             old, self._sink = self._sink, sink
             if old is not sink:  # publishes read from the previous store are not this one's
-                self._published, self._published_at = {}, float("-inf")
+                self.versions.forget_store()
         if old is not None and old is not sink:
             try:
                 old.flush()
@@ -265,98 +257,27 @@ class Tracing:
             self.listeners += 1
             self.tracer = self.provider.get_tracer(INSTRUMENTATION_NAME)  # someone listens: SDK spans from now on
 
-    # -- policy versions ------------------------------------------------------------------------
-    # A version set in this process (its own publish) holds until the store records a later publish
-    # of that name; every process reads the store's publishes, so runner processes, Ray actors and
-    # agents behind the gateway stamp the same versions as the trainer that published them.
+    # -- policy versions and canaries (versions.py) ---------------------------------------------
     def set_policy_version(self, version: int, model: str | None = None, *, served_as: str | None = None) -> None:
         """``model`` answers with ``version`` from now on in this process; ``served_as``: the versioned name
         every replica serves it under (traced calls are sent there, ``served_as``)."""
-        check_int(version, "policy version")
-        self._served_as[model] = None if served_as is None else (served_as, version)
-        self._policy_versions[model] = version
-        self._set_at[model] = time.time()
+        self.versions.set(version, model, served_as=served_as)
 
     def reset_policy_versions(self, default: int = 0) -> None:
         """Forget every version this process set or read (tests; a new run in the same process)."""
-        with self._lock:
-            self._policy_versions, self._set_at, self._served_as = {None: default}, {}, {}
-            self._published, self._published_at = {}, float("-inf")
-            self._canaries = {}
+        self.versions.reset(default)
 
     def policy_version(self, model: str | None = None) -> int:
-        """The version ``model`` (a served name) answers with, as this process knows it now. With no
-        name: the only served name's version when exactly one is known, else the default."""
-        published = self._store_versions()
-        local = self._policy_versions
-        if model is None:
-            names = {n for n in (*local, *published) if n is not None}
-            if len(names) != 1:
-                return local[None]
-            model = names.pop()
-        if model in published and published[model][1] >= self._set_at.get(model, 0.0):
-            return published[model][0]
-        return local.get(model, local[None])
+        """The version ``model`` (a served name) answers with, as this process knows it now."""
+        return self.versions.version(model)
 
     def served_as(self, model: Any) -> tuple[str, int] | None:
-        """Where a traced call for ``model`` (a served name) goes instead, and the version it is stamped with:
-        the live publish's versioned name when it has one (``trainer_bridge/replicas.py``: every replica
-        serves it, so the version is the one that answers), else None (the call goes as asked). The same
-        rule as ``policy_version`` picks between this process's own publish and the store's."""
-        if not isinstance(model, str):
-            return None
-        published = self._store_versions().get(model)
-        if published is not None and published[1] >= self._set_at.get(model, 0.0):
-            return None if published[2] is None else (published[2], published[0])
-        return self._served_as.get(model)
-
-    def _store_versions(self) -> dict[str, tuple[int, float, str | None]]:
-        """The store's publishes, refreshed in the background at most every ``policy_refresh``
-        seconds. Only the first read in a process waits, and for at most half a second."""
-        now = time.monotonic()
-        if now - self._published_at < self.settings.policy_refresh:
-            return self._published
-        sink = self._sink
-        if sink is None or not hasattr(sink, "latest_policies"):
-            return self._published
-        try:  # called as a rollout or an LLM call starts: it must never raise into the agent
-            with self._lock:
-                thread = self._refreshing
-                if thread is None or not thread.is_alive():
-                    thread = self._refreshing = threading.Thread(
-                        target=self._refresh, args=(sink,), name="lightning-rl-policy-versions", daemon=True)
-                    thread.start()
-            if self._published_at == float("-inf"):
-                thread.join(0.5)
-        except Exception as exc:
-            self._published_at = time.monotonic()  # try again after the refresh interval
-            report_failure("reading published policy versions", exc)
-        return self._published
-
-    def _refresh(self, sink: Any) -> None:
-        asked = time.monotonic()
-        try:
-            self._published = {name: (p.version, p.time, getattr(p, "served_as", None))
-                               for name, p in sink.latest_policies().items()}
-        except Exception as exc:
-            report_failure("reading published policy versions", exc)
-        if hasattr(sink, "latest_decisions"):
-            try:
-                self._canaries = canaries_from(sink.latest_decisions())
-            except Exception as exc:
-                report_failure("reading the canaries in progress", exc)
-        self._published_at = asked
+        """Where a traced call for ``model`` goes instead, and the version it is stamped with, or None."""
+        return self.versions.served_as(model)
 
     def canary(self, mode: Any, rollout_id: str, model: Any) -> Canary | None:
         """The candidate a production rollout's call to ``model`` goes to instead (``canary.py``), or None."""
-        if mode != "prod" or not isinstance(model, str):
-            return None
-        self._store_versions()  # refreshed with the publishes
-        canary = self._canaries.get(model)
-        if canary is None or time.time() >= canary.until or not canary.routes(rollout_id):
-            return None
-        count("llm_calls_routed_to_canary")
-        return canary
+        return self.versions.canary(mode, rollout_id, model)
 
 
 def _unloadable(text: str) -> str:

@@ -19,7 +19,7 @@ import requests
 
 import lightning_rl as lrl
 from lightning_rl import diagnostics
-from lightning_rl.adapters import capture
+from lightning_rl import capture
 
 from .vllm_like import VLLMLike
 

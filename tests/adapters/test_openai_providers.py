@@ -6,7 +6,7 @@ import openai
 import pytest
 
 import lightning_rl as lrl
-from lightning_rl.adapters import capture
+from lightning_rl import capture
 
 from .strict_provider import StrictProvider
 

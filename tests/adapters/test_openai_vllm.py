@@ -190,7 +190,7 @@ def test_policy_version_changes_on_spans_after_a_swap(traced, client):
     try:
         agent("q")
     finally:
-        tracing._policy_versions.pop("tiny", None)
+        tracing.versions.forget("tiny")
     assert [c.policy_version for c in next(lrl.trajectories(traced)).llm_calls] == [0, 7]
 
 

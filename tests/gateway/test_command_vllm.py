@@ -181,7 +181,7 @@ def test_trainer_trains_a_node_agent(traced, vllm_url, tmp_path):
     try:
         result = trainer.fit()
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
     (line,) = [x for x in result.history if "train_reward" in x]
     calls = sum(len(t.llm_calls) for t in lrl.trajectories(traced, mode="train"))
     assert line["outcomes"] == {"succeeded": 4} and line["samples"] == calls >= 4 and line["policy_version"] == 1

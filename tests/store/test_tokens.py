@@ -17,15 +17,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import lightning_rl as lrl
 from lightning_rl import semconv
-from lightning_rl.adapters.capture import CapturedCall, Server
+from lightning_rl.capture import CapturedCall, Server
 from lightning_rl.diagnostics import counters
 from lightning_rl.records import PackedTokens, SpanRow, pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 from lightning_rl.store import wire
 from lightning_rl.store.ops import EncodedSpan, TracedSpan
 from lightning_rl.store.rows import span_record_values
 from lightning_rl.store.training_samples import trajectory_samples
-from lightning_rl.store.server import BackgroundServer
-from lightning_rl.store.sqlite_store import SQLiteStore
+from lightning_rl.store.http.server import BackgroundServer
+from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.store.tokens import MIN_SHARED_TOKENS
 from lightning_rl.tracer import current_rollout
 

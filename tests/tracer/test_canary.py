@@ -20,7 +20,7 @@ from ..adapters.strict_provider import StrictProvider
 
 @pytest.fixture
 def provider():
-    from lightning_rl.adapters import capture
+    from lightning_rl import capture
 
     with StrictProvider() as p:
         yield p

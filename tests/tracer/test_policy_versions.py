@@ -21,7 +21,7 @@ from ..conftest import ROOT
 
 @pytest.fixture
 def provider():
-    from lightning_rl.adapters import capture
+    from lightning_rl import capture
 
     with StrictProvider() as p:
         yield p
@@ -100,3 +100,43 @@ def test_a_later_publish_in_the_store_wins_over_an_older_local_version(traced):
         assert tracing.policy_version() == 0  # two names: no guess
     finally:
         tracing.settings.policy_refresh = refresh
+
+
+def test_the_versions_read_every_store_through_one_named_protocol_and_nothing_else(tmp_path):
+    """``PolicyLogReader`` names what is read from the store: every store is one; a sink of the user's that only
+    writes is never asked, and this process's own versions hold there."""
+    from lightning_rl import diagnostics
+    from lightning_rl.settings import Settings
+    from lightning_rl.store import InMemoryStore, SQLiteStore
+    from lightning_rl.tracer.versions import PolicyLogReader, PolicyVersions
+
+    class WriteOnlySink:  # a user's own sink: it keeps spans, no policy log
+        def write_span(self, row):
+            pass
+
+    store = SQLiteStore(tmp_path / "versions.db")
+    try:
+        assert isinstance(store, PolicyLogReader) and isinstance(InMemoryStore(), PolicyLogReader)
+        store.record_policy("policy", 4, served_as="policy@v4")
+        settings = Settings.from_env()
+        settings.policy_refresh = 0.0
+        versions = PolicyVersions(settings, lambda: store)
+        assert versions.version("policy") == 4 and versions.served_as("policy") == ("policy@v4", 4)
+        versions.set(5, "policy", served_as="policy@v5")  # this process's own publish, newer than the store's
+        assert versions.version("policy") == 5 and versions.own("policy") == 5
+        versions.forget("policy")
+        deadline = time.time() + 5
+        while versions.version("policy") != 4 and time.time() < deadline:
+            time.sleep(0.02)
+        assert versions.own("policy") is None and versions.version("policy") == 4
+    finally:
+        store.close()
+    sink = WriteOnlySink()
+    failed = diagnostics.counters().get("reading published policy versions", 0)
+    versions = PolicyVersions(settings, lambda: sink)
+    versions.set(2, "policy")
+    assert versions.version("policy") == 2 and versions.served_as("policy") is None
+    assert versions.canary("prod", "r-1", "policy") is None
+    assert not isinstance(sink, PolicyLogReader)
+    time.sleep(0.05)
+    assert diagnostics.counters().get("reading published policy versions", 0) == failed  # never asked: nothing failed

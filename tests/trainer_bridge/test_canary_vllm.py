@@ -123,7 +123,7 @@ def test_a_canary_routes_its_share_by_rollout_id_and_is_refused_or_promoted_on_p
         assert _answered_by(traced, "after-promotion") == ("policy", 1)
     finally:
         trainer.close()
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
 
 
 def test_a_canary_without_enough_feedback_is_refused_and_a_stopped_trainer_ends_its_canary(traced, vllm_url, tmp_path):
@@ -174,4 +174,4 @@ def test_a_canary_without_enough_feedback_is_refused_and_a_stopped_trainer_ends_
         assert (last.decision, last.version) == ("refused", 1) and "a trainer started again ended it" in last.reason
     finally:
         again.close()
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")

@@ -82,7 +82,7 @@ def test_trains_on_late_feedback_and_drops_stale_rollouts(traced, vllm_url, tmp_
         again.start()
         assert again.version == 2 and again.step() is None
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
 
 
 def test_trains_only_on_calls_the_trainer_can_reproduce(traced, vllm_url, tmp_path):
@@ -123,4 +123,4 @@ def test_trains_only_on_calls_the_trainer_can_reproduce(traced, vllm_url, tmp_pa
         assert set(trainer.state["used"]) == {"ok1", "ok2"}
         assert trainer.step() is None and trainer.last_check["other_sampling"] == 0  # not read again
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")

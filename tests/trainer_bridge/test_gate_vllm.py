@@ -100,7 +100,7 @@ def test_a_worse_candidate_is_refused_and_an_equal_one_promoted(traced, vllm_url
         assert [x.count('"gate_decision"') for x in lines] == [1, 1]
     finally:
         trainer.close()
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
 
 
 def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_trainer(traced, vllm_url, tmp_path):
@@ -149,7 +149,7 @@ def test_a_rollback_by_hand_is_served_recorded_and_followed_by_the_running_train
         load_adapter(trainer.backend, tmp_path / "ct" / "adapters" / "v00000")  # the folder rolled back to is intact
     finally:
         trainer.close()
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
 
 
 def test_the_rollback_watch_restores_the_previous_version_when_production_reward_drops(traced, vllm_url, tmp_path):
@@ -186,7 +186,7 @@ def test_the_rollback_watch_restores_the_previous_version_when_production_reward
         assert lines[1]["rolled_back_from"] == 1 and lines[1]["watch_upper_bound"] < -0.1
     finally:
         trainer.close()
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
 
 
 def test_the_gate_runs_async_agents_and_scores_failed_or_hung_tries_zero(traced, vllm_url):

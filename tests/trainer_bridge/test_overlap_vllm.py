@@ -51,7 +51,7 @@ def test_overlapped_fit_bounds_staleness_and_a_replay_repeats_its_losses(traced,
     try:
         result = trainer.fit()
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
     train = [x for x in result.history if "train_reward" in x]
     assert [x["policy_version"] for x in train] == [1, 2, 3, 4]
     behind: dict[str, int] = {}

@@ -44,7 +44,7 @@ def dev_server(tmp_path_factory):
 @pytest.fixture
 def publisher(dev_server, tmp_path):
     yield VLLMFullPublisher(server_url=dev_server.base_url, weights_dir=tmp_path / "full", served_name=SERVED_NAME)
-    tracing._policy_versions.pop(SERVED_NAME, None)
+    tracing.versions.forget(SERVED_NAME)
 
 
 def _base():
@@ -96,7 +96,7 @@ def test_a_perturbed_model_is_served_and_recorded(dev_server, publisher, tmp_pat
     assert [(p.version, p.adapter) for p in store.policies(SERVED_NAME)] == [
         (0, str((tmp_path / "full" / "v00000").resolve())), (1, folder)]
     assert (tmp_path / "full" / "v00001" / "tokenizer.json").is_file()  # servable as it is (a restarted replica)
-    assert tracing._policy_versions[SERVED_NAME] == 1
+    assert tracing.versions.own(SERVED_NAME) == 1
     store.close()
 
 
@@ -249,7 +249,7 @@ def test_a_replica_that_fails_is_retried_and_named_and_nothing_recorded(dev_serv
     assert _weight_version(dev_server) == "9"  # the live replica was loaded all the same
     assert diagnostics.counters()["full_publish_retries"] == 2
     assert diagnostics.counters()["full_publish_failures"] == 1
-    assert SERVED_NAME not in tracing._policy_versions  # the tracer still stamps the old version
+    assert tracing.versions.own(SERVED_NAME) is None  # the tracer still stamps the old version
     store.close()
 
 
@@ -290,7 +290,7 @@ def test_the_trainer_trains_with_full_weights_publishes(traced, dev_server, tmp_
     try:
         result = trainer.fit()
     finally:
-        tracing._policy_versions.pop(SERVED_NAME, None)
+        tracing.versions.forget(SERVED_NAME)
     train = [x for x in map(json.loads, result.metrics_path.read_text().splitlines()) if "train_reward" in x]
     assert [x["policy_version"] for x in train] == [1, 2]
     assert all(x["optimizer_steps"] >= 1 and x["engine_logprob_gap"] < 1e-3 for x in train)
@@ -319,7 +319,7 @@ def test_train_run_weights_full_publishes_each_step_to_the_server(traced, dev_se
             "--served-name", SERVED_NAME, "--weights", "full", "--n", "2", "--tasks-per-step", "2", "--steps", "1",
             "--lr", "1e-3", "--out", str(tmp_path / "run")])
     finally:
-        tracing._policy_versions.pop(SERVED_NAME, None)
+        tracing.versions.forget(SERVED_NAME)
     assert result.exit_code == 0, result.output
     assert [p.version for p in traced.policies(SERVED_NAME)] == [0, 1]
     assert traced.policies(SERVED_NAME)[-1].adapter == str((tmp_path / "run" / "weights" / "v00001").resolve())

@@ -62,7 +62,7 @@ def test_hot_swap_changes_outputs_and_policy_version(traced, vllm_url, tmp_path)
         versions = [t.llm_calls[0].policy_version for t in lrl.trajectories(traced)]
         assert versions == [0, 1]
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path):

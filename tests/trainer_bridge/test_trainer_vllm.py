@@ -36,7 +36,7 @@ def test_fit_two_steps(traced, vllm_url, tmp_path):
     try:
         result = trainer.fit()
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
     lines = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
     train = [x for x in lines if "train_reward" in x]
     assert [x["step"] for x in train] == [1, 2]
@@ -94,7 +94,7 @@ def test_fit_a_team_with_a_policy_per_agent(traced, vllm_url, tmp_path):
         result = trainer.fit()
     finally:
         for name in names.values():
-            tracing._policy_versions.pop(name, None)
+            tracing.versions.forget(name)
     train = [json.loads(x) for x in result.metrics_path.read_text().splitlines() if "train_reward" in x]
     assert [x["policy_version"] for x in train] == [1, 2]
     for line in train:
@@ -132,7 +132,7 @@ def test_train_run_trains_a_task_set_from_the_command_line(traced, vllm_url, tmp
             "--store", traced.url, "--model-dir", str(ensure_tiny_model()), "--server-url", vllm_url, "--n", "2",
             "--tasks-per-step", "2", "--steps", "2", "--lr", "1e-3", "--out", str(tmp_path / "run")])
     finally:
-        tracing._policy_versions.pop("policy", None)
+        tracing.versions.forget("policy")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["metrics"] == str(tmp_path / "run" / "metrics.jsonl")
@@ -172,7 +172,7 @@ def test_a_real_autogen_team_trains_a_lora_per_agent(traced, vllm_url, tmp_path)
         result = trainer.fit()
     finally:
         for name in names.values():
-            tracing._policy_versions.pop(name, None)
+            tracing.versions.forget(name)
     (line,) = [json.loads(x) for x in result.metrics_path.read_text().splitlines() if "train_reward" in x]
     assert line["outcomes"] == {"succeeded": 4}
     assert line["samples_unrouted"] == 0 and line["samples_off_their_policy"] == 0
