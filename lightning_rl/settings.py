@@ -100,6 +100,8 @@ ENV_API_KEY = "LIGHTNING_RL_API_KEY"
 ENV_ROLLOUT_ID = "LIGHTNING_RL_ROLLOUT_ID"
 ENV_TASK = "LIGHTNING_RL_TASK"
 ENV_REWARDS_URL = "LIGHTNING_RL_REWARDS_URL"
+# the coding-agent CLIs' executables (gateway/coding_agents.py), when not given as binary= nor on PATH
+ENV_CLI_BINARY = {"claude": "LIGHTNING_RL_CLAUDE", "codex": "LIGHTNING_RL_CODEX", "opencode": "LIGHTNING_RL_OPENCODE"}
 ENV_MODEL = "LIGHTNING_RL_MODEL"
 # internal: store serve's settings for its worker processes
 ENV_SERVER_WORKER = "_LIGHTNING_RL_SERVER_ARGS"

@@ -19,6 +19,7 @@ import orjson
 from .. import semconv
 from ..diagnostics import count
 from ..errors import ConfigurationError
+from ..settings import ENV_CLI_BINARY
 
 # --- Claude Code -------------------------------------------------------------------------------------
 # What Claude Code (2.1.332, captured from the real CLI) sends that tells its lines apart: a sub-agent's
@@ -149,7 +150,7 @@ def claude_code(prompt: str | Callable[[Any], str] | None = None, *, upstream: s
     a checkout's ``examples/cli_agents``); tested with version 2.1.332."""
     from .command import command  # late: command.py imports the app, which imports this module
 
-    exe = find_cli(binary, "claude", "LIGHTNING_RL_CLAUDE", f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}")
+    exe = find_cli(binary, "claude", ENV_CLI_BINARY["claude"], f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}")
     if model is None and upstream is not None:
         model = served_model(upstream if isinstance(upstream, str) else list(upstream)[0])
     if not isinstance(max_output_tokens, int) or max_output_tokens < 1:
@@ -328,7 +329,7 @@ def _cli(kind: str, program: str, package: str, extra: Sequence[str], sandbox: s
                                   f"(every model {program} asks for is this one), got {model!r}")
     from .command import command as _command  # late: command.py imports the app, which imports this module
 
-    exe = find_cli(binary, program, f"LIGHTNING_RL_{program.upper()}", package)
+    exe = find_cli(binary, program, ENV_CLI_BINARY[program], package)
     argv = [sys.executable, "-c", _LAUNCHER, kind, exe, model or "", _root(), sandbox, *extra]
     # model: the CLI's configuration asks for it; the gateway sends any other name it asks for as it too
     return _command(argv, upstream=upstream, name=name or kind, agent=agent, env=env, timeout=timeout, mode=mode,
