@@ -83,8 +83,11 @@ node-deps: $(NODE_DIR)/node_modules/.stamp $(CLI_DIR)/node_modules/.stamp
 
 # The coding-agent CLIs (Claude Code, Codex, opencode) the gateway's CLI tests run, pinned by
 # examples/cli_agents/package-lock.json (with their platform binaries; nothing is fetched at test time).
+# `npm install`, not `npm ci`: opencode's binaries for other platforms are optional packages this registry
+# answers 404 for, so the lock cannot list them and `npm ci` refuses it as out of sync; `npm install` takes the
+# locked versions, skips those, and leaves the lock unchanged (the three CLIs are pinned exactly).
 $(CLI_DIR)/node_modules/.stamp: $(CLI_DIR)/package.json $(CLI_DIR)/package-lock.json
-	cd $(CLI_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	cd $(CLI_DIR) && npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
 # Debian's chromium for the viewer's browser test (Playwright for Python drives it by its path; no
