@@ -31,12 +31,15 @@ _LOCAL_LOCK = threading.Lock()
 
 
 def local_gateway(upstreams: list[str]) -> BackgroundGateway:
-    """This process's gateway in front of ``upstreams`` (started once, on a thread, on loopback)."""
+    """This process's gateway in front of ``upstreams`` (started once, on a thread, on loopback). It sweeps
+    nothing (``idle_timeout=None``): its rollouts are the traced functions' own, ended by their ``@trace``;
+    the store's orphaned gateway rollouts are the standalone gateways' (and ``rollouts expire``'s) to end,
+    and reading them needs a reader's store token, which a runner process does not have."""
     key = tuple(upstreams)
     with _LOCAL_LOCK:
         gw = _LOCAL.get(key)
         if gw is None:
-            gw = _LOCAL[key] = BackgroundGateway(list(upstreams)).__enter__()
+            gw = _LOCAL[key] = BackgroundGateway(list(upstreams), idle_timeout=None).__enter__()
             atexit.register(gw.__exit__, None, None, None)
         return gw
 

@@ -356,3 +356,21 @@ def test_a_shared_gateway_whose_store_token_cannot_read_stops_at_start(served, m
                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "HTTP 403" in result.stderr and "reader" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_command_agent_in_a_runner_with_a_runner_token_asks_the_store_for_nothing_it_may_not(
+        served, minted, tmp_path, sink):
+    """``lrl.command`` runs an in-process gateway; its rollouts are the traced function's own. It swept the
+    store for orphaned gateway rollouts (a read a runner token may not make): 403 at its start and every
+    minute, counted and logged in every runner process. The in-process gateway sweeps nothing."""
+    runner = _client(served, minted["runner"].token, tmp_path, "runner", retry_for=30)
+    diagnostics.reset()
+    lrl.configure(store=runner)
+    import asyncio
+
+    agent = lrl.command(["sh", "-c", "cat >/dev/null; echo 1"], upstream="http://127.0.0.1:7")  # its own gateway
+    assert asyncio.run(agent({"a": 1})) == 1.0
+    runner.flush()
+    time.sleep(1.0)  # a sweep runs at once when a gateway starts
+    assert diagnostics.counters().get("store_server_forbidden", 0) == 0
+    assert not any("sweep" in name for name in diagnostics.counters())
