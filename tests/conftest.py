@@ -3,6 +3,7 @@ serving the project's own tiny model, started once per session."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -23,6 +24,21 @@ from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 # LIGHTNING_RL_TEST_MODEL_DIR runs the suite against another tiny model (scripts/vllm_tests_other_seed.sh).
 MODEL_DIR = Path(os.environ.get("LIGHTNING_RL_TEST_MODEL_DIR") or ROOT / ".cache" / "tiny-qwen2").resolve()
 SERVED_NAME = "tiny"
+
+
+def no_free_whitespace() -> dict[str, int]:
+    """A ``logit_bias`` pushing the tiny model's whitespace-only tokens down (-100, not banned: where a forced
+    call's own text has a space, the grammar allows nothing else and it is still written). A named tool choice
+    is constrained by a structural tag, which the server's ``disable_any_whitespace`` does not cover: its JSON
+    lets a greedy model pad the arguments with spaces up to ``max_tokens`` (seen with smolagents, CrewAI and,
+    with the seed-7 model, Codex's namespace tool), and a truncated call is no tool call. Read when called
+    (the vLLM fixture builds the model first); empty while there is no model yet."""
+    path = MODEL_DIR / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    vocab = json.loads(path.read_text())["model"]["vocab"]
+    whitespace = {chr(256 + byte) for byte in b" \t\n\r\x0b\x0c"}  # byte-level BPE's characters for them
+    return {str(i): -100 for token, i in vocab.items() if token and set(token) <= whitespace}
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from pydantic import Field
 import lightning_rl as lrl
 from lightning_rl import semconv
 
-from ..conftest import MODEL_DIR, SERVED_NAME
+from ..conftest import SERVED_NAME, no_free_whitespace
 
 pytestmark = [pytest.mark.vllm]
 PATTERN = "^[0-9]{1,3}[+][0-9]{1,3}$"
@@ -202,21 +202,10 @@ def _short_prompt(agent):
     return agent
 
 
-def _no_free_whitespace() -> dict[str, int]:
-    """The tiny model's whitespace-only tokens, pushed down (-100, not banned: where the call's own text has a
-    space, the grammar allows nothing else and it is still written). A named tool choice is constrained by a
-    structural tag, which the server's ``disable_any_whitespace`` does not cover: its JSON lets the greedy
-    model pad the arguments with spaces up to ``max_tokens`` (it did, on smolagents' second step), and a
-    truncated call is no tool call. Read when called: the vLLM fixture builds the model first."""
-    vocab = json.loads((MODEL_DIR / "tokenizer.json").read_text())["model"]["vocab"]
-    whitespace = {chr(256 + byte) for byte in b" \t\n\r\x0b\x0c"}  # byte-level BPE's characters for them
-    return {str(i): -100 for token, i in vocab.items() if token and set(token) <= whitespace}
-
-
 def _smolagents_model(smolagents, vllm_url, tool: str, argument: str):
     """A model that must call ``tool``: the model's own kwargs override what smolagents sends, so the one tool
     it is offered has a strict schema (vLLM constrains a named, strict tool call; smolagents sends no
-    ``strict``) and is the named tool choice, with no free whitespace (``_no_free_whitespace``)."""
+    ``strict``) and is the named tool choice, with no free whitespace (``no_free_whitespace``)."""
     schema = {"type": "object", "properties": {argument: {"type": "string", "pattern": PATTERN}},
               "required": [argument], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": tool, "description": "Use it.", "strict": True,
@@ -224,7 +213,7 @@ def _smolagents_model(smolagents, vllm_url, tool: str, argument: str):
     force = {"type": "function", "function": {"name": tool}}
     return smolagents.OpenAIServerModel(model_id=SERVED_NAME, api_base=vllm_url, api_key="EMPTY", tools=tools,
                                         tool_choice=force, temperature=0, max_tokens=200,
-                                        logit_bias=_no_free_whitespace())
+                                        logit_bias=no_free_whitespace())
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -20,7 +20,7 @@ from pydantic import Field
 import lightning_rl as lrl
 from lightning_rl import semconv
 
-from ..conftest import MODEL_DIR, SERVED_NAME
+from ..conftest import SERVED_NAME, no_free_whitespace
 
 if importlib.util.find_spec("crewai") is None or importlib.util.find_spec("llama_index") is None:
     pytest.skip("CrewAI and LlamaIndex live in .venv-frameworks (make venv-frameworks; make test runs this file there)",
@@ -28,18 +28,7 @@ if importlib.util.find_spec("crewai") is None or importlib.util.find_spec("llama
 pytestmark = [pytest.mark.vllm]
 
 
-def _whitespace_tokens() -> dict[str, int]:
-    """The tiny model's whitespace-only tokens, banned: vLLM's constraint of a named tool call lets whitespace
-    follow the argument's value, and the model can pad it until ``max_tokens`` and never close the call (seen
-    with CrewAI's lone-agent prompt); with none allowed, the only way on is the closing brace."""
-    path = MODEL_DIR / "tokenizer.json"
-    if not path.is_file():
-        return {}  # no model yet: the vLLM fixture builds it, and this module is imported before
-    vocab = json.loads(path.read_text())["model"]["vocab"]
-    return {str(i): -100 for token, i in vocab.items() if token and set(token) <= set("ĠĊĉč")}
-
-
-FORCE = {"tool_choice": {"type": "function", "function": {"name": "calculator"}}, "logit_bias": _whitespace_tokens()}
+FORCE = {"tool_choice": {"type": "function", "function": {"name": "calculator"}}, "logit_bias": no_free_whitespace()}
 PATTERN = "^[0-9]{1,3}[+][0-9]{1,3}$"  # a bounded argument: the constrained call always closes
 
 

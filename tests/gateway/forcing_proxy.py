@@ -6,6 +6,10 @@ call a tool whatever its weights say, by vLLM's guided decoding, so that a real 
   a tool that is not ``strict``, its arguments are any JSON, and the CLI answers what it makes of them);
 - ``call=(name, arguments)``: that request may only be answered with this exact call (a regex of the
   call as the model's template, hermes, writes one; vLLM's tool parser reads it as a tool call);
+- ``choice=None``: the request's own ``tool_choice`` is kept (a named one: vLLM's guided decoding already
+  makes it a call of that tool);
+- ``logit_bias``: added to that request too (``conftest.no_free_whitespace``: a constrained call cannot be
+  padded with spaces until ``max_tokens`` and left unclosed);
 - ``stall=True``: nothing is forced, and a request that offers tools gets no answer until its client
   hangs up (an engine that hangs: the CLI waits on it).
 
@@ -31,8 +35,9 @@ class ForcingProxy:
     """``with ForcingProxy(ENGINE_URL) as proxy:`` give ``proxy.url + "/v1"`` as the upstream."""
 
     def __init__(self, engine: str, choice: Any = "required", call: tuple[str, dict[str, Any]] | None = None,
-                 stall: bool = False) -> None:
+                 stall: bool = False, logit_bias: dict[str, int] | None = None) -> None:
         self.engine, self.choice, self.call, self.stall = engine.rstrip("/").removesuffix("/v1"), choice, call, stall
+        self.logit_bias = logit_bias
         self.forced: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
         self._closing = False
@@ -52,8 +57,11 @@ class ForcingProxy:
         self._thread.stop()
 
     def _force(self, body: dict[str, Any]) -> None:
+        if self.logit_bias:
+            body["logit_bias"] = {**body.get("logit_bias", {}), **self.logit_bias}
         if self.call is None:
-            body["tool_choice"] = self.choice
+            if self.choice is not None:
+                body["tool_choice"] = self.choice
         else:
             text = orjson.dumps({"name": self.call[0], "arguments": self.call[1]}).decode()
             body["structured_outputs"] = {"regex": re.escape(f"<tool_call>{text}</tool_call>")}
