@@ -13,12 +13,16 @@ meaning, so ``except ValueError`` keeps working in user code::
     ├── StoreError
     │   ├── NotAStoreError (ValueError)       a file that is not a lightning-rl store
     │   ├── SchemaTooNewError (RuntimeError)  a store written by a newer lightning-rl
-    │   └── RolloutNotFoundError (KeyError)   an unknown rollout id
+    │   ├── RolloutNotFoundError (KeyError)   an unknown rollout id
+    │   └── StoreClosedError (RuntimeError)   a write to a store (its background writer) after close()
     ├── PublishError (RuntimeError)           the served model refused or missed a weight update
     ├── JudgeHTTPError (RuntimeError)         the judge's server refused its request (after retries)
     ├── CommandFailed (RuntimeError)          a command agent (lightning_rl.command) exited non-zero
     ├── TranslationError (ValueError)         a request another protocol's dialect cannot carry
     ├── EngineRefusal (RuntimeError)          an engine answered an LLM call with an error status
+    ├── EngineStartError (RuntimeError)       a vLLM server lightning-rl started exited or was not ready in time
+    ├── RunnerStoppedError (RuntimeError)     a trainer's runner ended while the groups it was to run were queued
+    ├── WorkersFailed (RuntimeError)          a trainer's worker processes (processes=) exited non-zero
     ├── UpstreamError (ConnectionError)       the gateway could not reach an engine, or lost it
     ├── GatewayError                          a request the gateway refuses (carries its HTTP status)
     └── OTLPDecodeError (ValueError)          a body that is not an OTLP trace export request
@@ -118,6 +122,10 @@ class RolloutNotFoundError(StoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StoreClosedError(StoreError, RuntimeError):
+    """A write to a store that was closed (its background writer takes nothing more)."""
+
+
 class PublishError(LightningRLError, RuntimeError):
     """The served model refused or could not be reached for a weight update."""
 
@@ -142,6 +150,23 @@ class EngineRefusal(LightningRLError, RuntimeError):
         super().__init__(f"the engine answered {status_code}: {text[:500]}")
         self.status_code = status_code
         self.text = text
+
+
+class EngineStartError(LightningRLError, RuntimeError):
+    """A vLLM server started by lightning-rl (``VLLMServer``) exited, or did not answer ``/health`` in time."""
+
+
+class RunnerStoppedError(LightningRLError, RuntimeError):
+    """The runner a trainer started in the background ended while groups it was to run were still queued."""
+
+
+class WorkersFailed(LightningRLError, RuntimeError):
+    """Worker processes a trainer ran its sync agent in (``Trainer(processes=k)``) exited non-zero; ``codes``
+    holds their exit codes (a negative one: the signal that ended it)."""
+
+    def __init__(self, message: str, codes: list[int | None]) -> None:
+        super().__init__(message)
+        self.codes = codes
 
 
 class UpstreamError(LightningRLError, ConnectionError):

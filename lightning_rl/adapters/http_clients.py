@@ -209,7 +209,7 @@ def _take_over(module: Any, library: str, request: Any) -> Any:
         return None
     if not isinstance(body, dict):
         return None
-    dialect = DIALECTS.get(op)
+    dialect = DIALECTS.get(op, None)
     chat, url = body, request.url
     if dialect is not None:
         try:

@@ -280,6 +280,12 @@ def instrument() -> LightningRLCallbackHandler:
     return _handler
 
 
+def instrument_framework() -> bool:
+    """The framework registry's entry (``lightning_rl.adapters.FRAMEWORKS``: ``instrument() -> bool``)."""
+    instrument()
+    return True
+
+
 from . import module_ready  # noqa: E402  (last: the frameworks imported above, instrumented now)
 
 module_ready(__name__)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..diagnostics import count, report_failure
 from ..errors import NotInRolloutError
+from ..registry import Registry
 
 
 @dataclass(slots=True, eq=False)
@@ -145,14 +146,22 @@ def current_llm_hint() -> LLMHint | None:
     return _llm_hint.get()
 
 
+_resolvers_lock = threading.Lock()
 #: Adapters of frameworks that keep their own agent context (the OpenAI Agents SDK's current span,
-#: PydanticAI's agent run) register a function that names the agent running now, or None.
-_agent_resolvers: list[Any] = []
+#: PydanticAI's agent run) register a function that names the agent running now, or None. Ordered: the
+#: first registered is asked first, and the first name one gives is the agent's.
+AGENT_RESOLVERS: Registry[Callable[[], str | None]] = Registry(
+    "agent-name resolver", ordered=True, hint="register one with lightning_rl.tracer.context.register_agent_resolver")
 
 
-def register_agent_resolver(resolver: Any) -> None:
-    if resolver not in _agent_resolvers:
-        _agent_resolvers.append(resolver)
+def register_agent_resolver(resolver: Callable[[], str | None], *, name: str | None = None) -> None:
+    """Ask ``resolver()`` for the agent's name after ``agent_scope`` (idempotent: registering the same function
+    again does nothing). ``name``: its registry name, by default ``module.qualname``; another function under a
+    name taken is refused (``ConfigurationError``)."""
+    name = name or f"{getattr(resolver, '__module__', None)}.{getattr(resolver, '__qualname__', repr(resolver))}"
+    with _resolvers_lock:  # two frameworks' adapters may be instrumented at once (imports in two threads)
+        if AGENT_RESOLVERS.get(name, None) is not resolver:
+            AGENT_RESOLVERS.add(name, resolver)
 
 
 def current_agent_name() -> str | None:
@@ -161,7 +170,7 @@ def current_agent_name() -> str | None:
     name = _agent.get()
     if name is not None:
         return name
-    for resolver in _agent_resolvers:
+    for resolver in AGENT_RESOLVERS.values():
         try:
             name = resolver()
         except Exception as exc:  # a framework's internals changed: the name falls back, said once

@@ -8,6 +8,8 @@ on the same tensors when verl is installed, and against hand-computed values alw
 Registries (plain dicts behind decorators, as in verl): advantage estimators (``grpo``,
 ``batch_baseline`` for traffic without groups) and policy losses (``vanilla``: PPO-clip with dual
 clip, times optional truncated importance weights). Unknown names fail listing the known ones.
+An estimator that compares the tries of one task declares it, ``@register_adv_estimator("grpo",
+needs_groups=True)``: a trainer then refuses ``n < 2`` for it, whoever registered it (``needs_groups``).
 
 Estimators take an optional ``rollout_index`` (the rollout of each sample): group statistics are then
 taken over rollouts, one score each (the mean of its samples' scores), not over samples, so a rollout
@@ -29,13 +31,19 @@ from ..registry import Registry
 from .config import LOSS_AGG_MODES
 
 ADV_ESTIMATORS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
-    "advantage estimator", hint="or register one with @register_adv_estimator")
+    "advantage estimator", hint="or register one with @register_adv_estimator", traits={"needs_groups": False})
 POLICY_LOSSES: Registry[Callable[..., tuple[torch.Tensor, dict[str, float]]]] = Registry(
     "policy loss", hint="or register one with @register_policy_loss")
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register
 get_adv_estimator = ADV_ESTIMATORS.get
 get_policy_loss = POLICY_LOSSES.get
+
+
+def needs_groups(estimator: str) -> bool:
+    """Whether the estimator registered as ``estimator`` compares the tries of one task (registered with
+    ``needs_groups=True``), so that a group of one try cannot train; an unknown name raises, listing the known."""
+    return bool(ADV_ESTIMATORS.trait(estimator, "needs_groups"))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -60,7 +68,7 @@ def _per_rollout(scores: torch.Tensor, keys: np.ndarray, rollout_index: np.ndarr
     return by_key
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", needs_groups=True)
 def grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
                            epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True,
                            rollout_index: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,9 +42,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, WorkersFailed
 from ..records import RolloutStatus, Sample
 from ..store.queries import trajectory
+from .algorithms import needs_groups
 from .batches import batch_samples, drop_stale
 from .config import ConfigModel, Count, Credit, Flag, LocalConfig, Loggers, Name, NonNegativeInt, Positive
 from .failures import INFRA_ERRORS
@@ -151,11 +152,12 @@ class Trainer(ConfigModel):
             if unknown:
                 raise ConfigurationError(f"init_adapter names policies this trainer does not train: {unknown}; its "
                                          f"served names are {policies.served}")
-        grpo = [name for name in policies.served if self.local.for_policy(name).adv_estimator == "grpo"]
-        if self.n < 2 and grpo:
+        estimators = {self.local.for_policy(name).adv_estimator for name in policies.served}
+        grouped = sorted(estimator for estimator in estimators if needs_groups(estimator))
+        if self.n < 2 and grouped:
             raise ConfigurationError(
-                f"GRPO compares the tries of a task, so it needs n >= 2 (got n={self.n}); raise n, or use "
-                "LocalConfig(adv_estimator='batch_baseline')")
+                f"the advantage estimator {grouped[0]!r} compares the tries of a task, so it needs n >= 2 (got "
+                f"n={self.n}); raise n, or use LocalConfig(adv_estimator='batch_baseline')")
         self._rng = random.Random(self.seed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -186,7 +188,9 @@ class Trainer(ConfigModel):
         codes = run_in_processes(self.store.url, agent, groups, processes=self.processes,
                                  lease_seconds=self.lease_seconds, rollout_timeout=self.rollout_timeout)
         if any(codes):
-            raise RuntimeError(f"worker processes exited with {codes}; see their output above")
+            raise WorkersFailed(f"{sum(1 for code in codes if code)} of {len(codes)} worker processes exited non-zero "
+                                f"(exit codes {codes}; a negative one is the signal that ended it): their output above "
+                                "says why; fix that, or set processes=0 to run the agent in this process", codes)
         self.store.flush()
 
     def _runner(self, agent: Callable[[Any], Any]) -> Runner:

@@ -66,7 +66,7 @@ def test_a_failing_adapter_never_breaks_the_users_import():
         import sys
         import lightning_rl
         from lightning_rl import adapters
-        adapters._FRAMEWORKS["colorsys"] = "lightning_rl.no_such_adapter:instrument"  # instrumenting it will fail
+        adapters.FRAMEWORKS.add("colorsys", adapters.lazy("lightning_rl.no_such_adapter:instrument"))  # it will fail
         assert "colorsys" not in sys.modules
         import colorsys
         assert colorsys.rgb_to_hsv(1, 0, 0) == (0.0, 1.0, 1.0)
@@ -108,6 +108,6 @@ def test_every_adapter_module_ends_by_instrumenting_what_waited_for_it():
 
     from lightning_rl import adapters
 
-    for module in {target.partition(":")[0] for target in adapters._FRAMEWORKS.values()}:
+    for module in {entry.module for entry in adapters.FRAMEWORKS.values()}:
         source = Path(adapters.__file__).with_name(module.rpartition(".")[2] + ".py").read_text()
         assert re.search(r"\nmodule_ready\(__name__\)\n*$", source), f"{module} does not end with module_ready(__name__)"

@@ -47,7 +47,7 @@ def old_schema_store(path, version: int, attributes: list[dict]) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     db = sqlite_utils.Database(conn)
     for v in range(1, version + 1):
-        migrations._MIGRATIONS[v][1](db)
+        migrations.MIGRATIONS.get(v)(db)
     conn.execute(f"PRAGMA application_id = {migrations.APPLICATION_ID}")
     conn.execute(f"PRAGMA user_version = {version}")
     conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "

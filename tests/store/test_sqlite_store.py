@@ -255,13 +255,13 @@ def test_threads_tracing_concurrently_lose_nothing(tmp_path):
 def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
     import sqlite_utils
 
-    from lightning_rl.store.sqlite.migrations import _MIGRATIONS
+    from lightning_rl.store.sqlite.migrations import MIGRATIONS
 
     path = tmp_path / "v2.db"
     conn = sqlite3.connect(path, isolation_level=None)
     db = sqlite_utils.Database(conn)
     for version in (1, 2):
-        _MIGRATIONS[version][1](db)
+        MIGRATIONS.get(version)(db)
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.execute("PRAGMA user_version = 2")
     conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "
@@ -288,13 +288,13 @@ def test_a_schema_2_file_is_upgraded_and_its_rewards_get_uids(tmp_path):
 def test_a_schema_6_file_is_upgraded_and_its_publishes_have_no_lineage(tmp_path):
     import sqlite_utils
 
-    from lightning_rl.store.sqlite.migrations import _MIGRATIONS
+    from lightning_rl.store.sqlite.migrations import MIGRATIONS
 
     path = tmp_path / "v6.db"
     conn = sqlite3.connect(path, isolation_level=None)
     db = sqlite_utils.Database(conn)
     for version in range(1, 7):  # the schema as it was before policy lineage
-        _MIGRATIONS[version][1](db)
+        MIGRATIONS.get(version)(db)
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.execute("PRAGMA user_version = 6")
     conn.executemany("INSERT INTO policies (served_name, version, adapter, time) VALUES (?, ?, ?, ?)",
@@ -323,13 +323,13 @@ def test_a_schema_7_file_gets_rollout_origins(tmp_path):
     """Migration 8 adds Rollout.origin and the start-time indexes; rows written before it read as origin None."""
     import sqlite_utils
 
-    from lightning_rl.store.sqlite.migrations import _MIGRATIONS
+    from lightning_rl.store.sqlite.migrations import MIGRATIONS
 
     path = tmp_path / "v7.db"
     conn = sqlite3.connect(path, isolation_level=None)
     db = sqlite_utils.Database(conn)
     for version in range(1, 8):
-        _MIGRATIONS[version][1](db)
+        MIGRATIONS.get(version)(db)
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.execute("PRAGMA user_version = 7")
     conn.execute("INSERT INTO rollouts (rollout_id, name, attempt, mode, status, start_time) "

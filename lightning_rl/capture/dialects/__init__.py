@@ -15,6 +15,7 @@ from typing import Any
 
 from . import anthropic, chat, responses
 from ...errors import TranslationError
+from ...registry import Registry
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,12 @@ MESSAGES = Dialect("anthropic messages", anthropic.to_chat, lambda data, body: a
                    lambda body: anthropic.StreamRenderer(body["model"]), anthropic.error)
 RESPONSES = Dialect("openai responses", responses.to_chat, responses.from_chat, responses.StreamRenderer,
                     lambda status, message: chat.error(status, message))
-#: by the last segment of the endpoint path
-DIALECTS = {"messages": MESSAGES, "responses": RESPONSES}
+#: by the last segment of the endpoint path (``.../v1/messages``); ``DIALECTS.get(segment, None)``: None for a
+#: path no dialect answers (chat completions themselves)
+DIALECTS: Registry[Dialect] = Registry(
+    "capture dialect", of=Dialect,
+    hint="add one with lightning_rl.capture.dialects.DIALECTS.add(endpoint, Dialect(...))")
+DIALECTS.add("messages", MESSAGES)
+DIALECTS.add("responses", RESPONSES)
 
 __all__ = ["DIALECTS", "Dialect", "MESSAGES", "RESPONSES", "TranslationError", "chat"]

@@ -3,6 +3,11 @@
 ``PRAGMA application_id`` marks a file as ours; ``PRAGMA user_version`` is the schema version; the
 ``_lightning_rl_migrations`` table records which migrations ran and when. Migrating is safe to
 re-run and safe when several processes open a new file at once (one ``BEGIN IMMEDIATE`` transaction).
+
+``MIGRATIONS`` is a :class:`~lightning_rl.registry.Registry` keyed by schema version: ``@migration(16,
+"what it adds")`` registers the next one. Versions run 1, 2, 3, ... with no gap: a version registered
+twice, or one that is not the latest plus one, is refused (``ConfigurationError``) when the module loads.
+A migration never changes once released: a store written by it must still open, so a fix is a new one.
 """
 
 from __future__ import annotations
@@ -15,28 +20,36 @@ import orjson
 import sqlite_utils
 
 from ...diagnostics import logger
-from ...errors import NotAStoreError, SchemaTooNewError
+from ...errors import ConfigurationError, NotAStoreError, SchemaTooNewError
+from ...registry import Registry
 
 APPLICATION_ID = 0x4C524C31  # "LRL1"
 MIGRATIONS_TABLE = "_lightning_rl_migrations"
 
-_MIGRATIONS: dict[int, tuple[str, Callable[[sqlite_utils.Database], None]]] = {}
+Migration = Callable[[sqlite_utils.Database], None]
+#: schema version -> the function that brings a store from the version before to it; its ``title`` trait is
+#: what ``_lightning_rl_migrations`` records
+MIGRATIONS: Registry[Migration] = Registry(
+    "SQLite store migration", key=int, traits={"title": ""},
+    hint="add the next one with @migration(version, title) in lightning_rl/store/sqlite/migrations.py")
 
 
-def migration(version: int, name: str) -> Callable[[Callable[[sqlite_utils.Database], None]], Callable]:
-    """Register ``fn`` as the migration to schema ``version``. Returns ``fn`` unchanged."""
-
-    def register(fn: Callable[[sqlite_utils.Database], None]) -> Callable[[sqlite_utils.Database], None]:
-        if version in _MIGRATIONS:
-            raise ValueError(f"migration {version} is registered twice")
-        _MIGRATIONS[version] = (name, fn)
-        return fn
-
+def migration(version: int, name: str) -> Callable[[Migration], Migration]:
+    """Register ``fn`` as the migration to schema ``version`` (the latest plus one), titled ``name``.
+    Returns ``fn`` unchanged."""
+    register = MIGRATIONS.register(version, title=name)  # an integer version (refused otherwise)
+    if version in MIGRATIONS:  # the registry refuses it too; said here with what the next number is
+        raise ConfigurationError(f"SQLite store migration {version} is registered already "
+                                 f"({MIGRATIONS.trait(version, 'title')!r}); number the new one {latest_version() + 1}")
+    expected = latest_version() + 1 if len(MIGRATIONS) else 1
+    if version != expected:
+        raise ConfigurationError(f"SQLite store migration {version} ({name!r}) would leave a gap: the latest is "
+                                 f"{expected - 1}; number it {expected}")
     return register
 
 
 def latest_version() -> int:
-    return max(_MIGRATIONS)
+    return max(MIGRATIONS.names())
 
 
 @migration(1, "initial: rollouts, spans, rewards")
@@ -185,11 +198,11 @@ def migrate(conn: sqlite3.Connection, path: str) -> int:
         db = sqlite_utils.Database(conn)
         if MIGRATIONS_TABLE not in _user_tables(conn):
             conn.execute(f"CREATE TABLE {MIGRATIONS_TABLE} (version INTEGER PRIMARY KEY, name TEXT, applied_at REAL)")
-        for target in sorted(v for v in _MIGRATIONS if v > version):
-            name, fn = _MIGRATIONS[target]
-            fn(db)
+        for target in (v for v in MIGRATIONS.names() if v > version):
+            MIGRATIONS.get(target)(db)
             conn.execute(
-                f"INSERT OR REPLACE INTO {MIGRATIONS_TABLE} VALUES (?, ?, ?)", (target, name, time.time())
+                f"INSERT OR REPLACE INTO {MIGRATIONS_TABLE} VALUES (?, ?, ?)",
+                (target, MIGRATIONS.trait(target, "title"), time.time()),
             )
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         conn.execute(f"PRAGMA user_version = {latest}")
