@@ -49,6 +49,10 @@ variable                           meaning                                      
                                    instead of serving the tiny model (``serve_or_connect``)     serve the tiny model)
 ``LIGHTNING_RL_MODEL``             the model name the examples request from it                 ``tiny``
 ``LIGHTNING_RL_API_KEY``           the API key the examples send to it                         ``EMPTY``
+``LIGHTNING_RL_CLAUDE``            the ``claude`` executable for ``claude_code()`` (when no    none (PATH, then
+                                   ``binary=``)                                                ``./node_modules/.bin``)
+``LIGHTNING_RL_CODEX``             the ``codex`` executable for ``codex()``, likewise          likewise
+``LIGHTNING_RL_OPENCODE``          the ``opencode`` executable for ``opencode()``, likewise    likewise
 =================================  ==========================================================  =====================
 
 Set by lightning-rl for a command agent (``lightning_rl.command``, the gateway), read by that agent:
@@ -67,6 +71,7 @@ Internal: ``_LIGHTNING_RL_SERVER_ARGS`` carries ``store serve``'s settings to it
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,7 +107,6 @@ ENV_TASK = "LIGHTNING_RL_TASK"
 ENV_REWARDS_URL = "LIGHTNING_RL_REWARDS_URL"
 # the coding-agent CLIs' executables (gateway/coding_agents.py), when not given as binary= nor on PATH
 ENV_CLI_BINARY = {"claude": "LIGHTNING_RL_CLAUDE", "codex": "LIGHTNING_RL_CODEX", "opencode": "LIGHTNING_RL_OPENCODE"}
-ENV_MODEL = "LIGHTNING_RL_MODEL"
 # internal: store serve's settings for its worker processes
 ENV_SERVER_WORKER = "_LIGHTNING_RL_SERVER_ARGS"
 
@@ -206,7 +210,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> "Settings":
         return cls(
-            store=os.environ.get(ENV_STORE) or DEFAULT_STORE,
+            store=store_url(),
             mode=check_mode(os.environ.get(ENV_MODE) or "train"),
             capture_token_ids=_flag(ENV_CAPTURE_TOKEN_IDS, True),
             capture_logprobs=_flag(ENV_CAPTURE_LOGPROBS, True),
@@ -221,3 +225,54 @@ class Settings:
             redacted_tokens=check_redacted_tokens(os.environ.get(ENV_REDACTED_TOKENS) or "drop",
                                                   what=ENV_REDACTED_TOKENS),
         )
+
+
+# One variable at a time, read when called (never cached at import), so that a variable set after import
+# (a test's monkeypatch.setenv, a worker process given its settings) is heard. Every read of a
+# LIGHTNING_RL_* variable in the package goes through Settings.from_env or one of these
+# (tests/test_settings.py holds the package to it); setting one for a child process is done where the child
+# is started, by its ENV_ name.
+
+
+def variable(name: str) -> str | None:
+    """The value of the variable ``name`` now; None when it is unset or empty."""
+    return os.environ.get(name) or None
+
+
+def store_url() -> str:
+    """``LIGHTNING_RL_STORE``, else the default store."""
+    return variable(ENV_STORE) or DEFAULT_STORE
+
+
+def store_token() -> str | None:
+    """``LIGHTNING_RL_STORE_TOKEN``: the bearer token a store client sends."""
+    return variable(ENV_STORE_TOKEN)
+
+
+def spill_dir() -> str | None:
+    """``LIGHTNING_RL_SPILL_DIR``: where an HTTP or PostgreSQL store spills (None: its own folder under
+    ``~/.cache/lightning-rl/spill``)."""
+    return variable(ENV_SPILL_DIR)
+
+
+def vllm_python() -> str | None:
+    """``LIGHTNING_RL_VLLM_PYTHON``: a Python that has vLLM."""
+    return variable(ENV_VLLM_PYTHON)
+
+
+def examples_endpoint() -> tuple[str, str, str] | None:
+    """``(base_url, model, api_key)`` of ``LIGHTNING_RL_BASE_URL`` (trailing ``/`` removed),
+    ``LIGHTNING_RL_MODEL`` and ``LIGHTNING_RL_API_KEY``; None when no base URL is set."""
+    base_url = variable(ENV_BASE_URL)
+    if base_url is None:
+        return None
+    return base_url.rstrip("/"), variable(ENV_MODEL) or "tiny", variable(ENV_API_KEY) or "EMPTY"
+
+
+def server_worker_args() -> dict:
+    """The settings ``lightning-rl store serve`` hands its worker processes (``_LIGHTNING_RL_SERVER_ARGS``)."""
+    raw = variable(ENV_SERVER_WORKER)
+    if raw is None:
+        raise ConfigurationError(f"{ENV_SERVER_WORKER} is not set: this app factory runs only in a worker of "
+                                 "`lightning-rl store serve`; start the server with that command")
+    return json.loads(raw)

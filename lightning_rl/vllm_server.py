@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigurationError
-from .settings import ENV_API_KEY, ENV_BASE_URL, ENV_MODEL, ENV_STORE, ENV_VLLM_PYTHON
+from .errors import ConfigurationError, EngineStartError
+from .settings import ENV_STORE, ENV_VLLM_PYTHON, examples_endpoint, vllm_python
 
 
 def candidate_pythons() -> list[tuple[Path, str]]:
@@ -32,7 +32,7 @@ def candidate_pythons() -> list[tuple[Path, str]]:
     found: list[tuple[Path, str]] = []
     if importlib.util.find_spec("vllm") is not None:
         found.append((Path(sys.executable), "this interpreter, which can import vllm"))
-    env = os.environ.get(ENV_VLLM_PYTHON)
+    env = vllm_python()
     if env:
         found.append((Path(env), f"${ENV_VLLM_PYTHON}"))
     found.append((Path.cwd() / ".venv-vllm" / "bin" / "python", "the working directory's .venv-vllm"))
@@ -135,7 +135,10 @@ class VLLMServer:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.process.returncode}:\n{self._tail()}")
+                raise EngineStartError(
+                    f"the vLLM server for {self.model!r} exited with code {self.process.returncode} before it was "
+                    f"ready; fix what its log below names (model path, port, memory) and start it again:\n"
+                    f"{self._tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -144,7 +147,9 @@ class VLLMServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"vLLM server not ready after {self.ready_timeout}s:\n{self._tail()}")
+        raise EngineStartError(
+            f"the vLLM server for {self.model!r} was not ready after ready_timeout={self.ready_timeout}s (stopped); "
+            f"give it longer (ready_timeout=) or read its log below for what held it:\n{self._tail()}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -167,9 +172,9 @@ def serve_or_connect(model_dir: str | None = None, *, log_path: Path | None = No
     """``(base_url, model, api_key)`` for examples and demos: ``LIGHTNING_RL_BASE_URL`` (with
     ``LIGHTNING_RL_MODEL`` and ``LIGHTNING_RL_API_KEY``) when set, else the project's tiny model
     served by a local vLLM for the duration of the block (built with ``make model`` if missing)."""
-    base_url = os.environ.get(ENV_BASE_URL)
-    if base_url:
-        yield base_url.rstrip("/"), os.environ.get(ENV_MODEL, "tiny"), os.environ.get(ENV_API_KEY, "EMPTY")
+    endpoint = examples_endpoint()
+    if endpoint is not None:
+        yield endpoint
         return
     root = Path(__file__).resolve().parent.parent
     model = Path(model_dir) if model_dir else root / ".cache" / "tiny-qwen2"

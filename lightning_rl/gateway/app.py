@@ -1,13 +1,14 @@
-"""The gateway's app: FastAPI for the rollout, reward, finish and OTLP routes, and a raw ASGI front for the
-calls (``_CallFront``: the hot path, no framework in it) in each dialect (``capture/dialects``); the
-sweeps; serving it (``serve``, ``BackgroundGateway``). What each route does: ``proxy.py``'s doc."""
+"""The gateway's app: a raw ASGI front for the calls (``_CallFront``: the hot path, no framework in it) in
+each dialect (``capture/dialects``), before FastAPI for the rollout, reward, finish and OTLP routes and the
+sweeps (``routes.py``); serving it (``serve``, ``BackgroundGateway``). What each route does: ``proxy.py``'s
+doc."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -15,167 +16,34 @@ import orjson
 from .. import semconv
 from ..capture.dialects import DIALECTS, MESSAGES, RESPONSES, Dialect
 from ..capture.dialects.chat import error as openai_error
-from ..boundaries import json_problem, message_problems
+from ..boundaries import message_problems
 from ..diagnostics import count, report_failure
-from ..errors import ConfigurationError, GatewayError, OTLPDecodeError, OTLPTooLarge, TranslationError, UpstreamError
+from ..errors import ConfigurationError, GatewayError, TranslationError, UpstreamError
 from ..serving import GATEWAY, BackgroundService, check_bind, run
-from . import otlp
 from .coding_agents import claude_code_lineage, codex_lineage
 from .forwarding import Relay
 from .proxy import Gateway
 from .rollouts import OpenRollout
 
 try:
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
+    from fastapi import FastAPI
 except ImportError as exc:  # the gateway is an extra, like the store server
     raise ConfigurationError(
         f"the gateway needs FastAPI and uvicorn ({exc}); they come with lightning-rl: pip install fastapi uvicorn httptools (or reinstall lightning-rl)"
     ) from None
+from .routes import add_routes, lifespan
+from .routes import parse_body as _parse_body
 
 AGENT_HEADER = "x-lightning-rl-agent"
 
 
 def create_app(gateway: Gateway) -> Any:
-    """The ASGI app serving ``gateway``."""
-
-    async def sweep() -> None:
-        every = min(60.0, gateway.idle_timeout / 4)
-        while True:
-            for what, fn in (("orphan", gateway.expire_orphans), ("idle", gateway.expire_idle)):
-                try:  # the orphans first at start: what a gateway killed before this one left running
-                    await asyncio.to_thread(fn)
-                except RuntimeError as exc:
-                    if "after shutdown" in str(exc):  # the interpreter is exiting (a gateway on a daemon thread)
-                        return
-                    report_failure(f"gateway {what} sweep", exc)
-                except Exception as exc:
-                    report_failure(f"gateway {what} sweep", exc)
-                if what == "orphan":
-                    await asyncio.sleep(every)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        sweeper = asyncio.ensure_future(sweep()) if gateway.idle_timeout is not None else None
-        try:
-            yield
-        finally:
-            if sweeper is not None:
-                sweeper.cancel()
-            try:  # on this thread: at interpreter exit (a local gateway) no worker thread can be started
-                gateway.end_all("the gateway stopped before the rollout was finished (its key died with it); the "
-                                "calls so far are recorded")
-            except Exception as exc:  # the store may be gone already; the records so far stay as they are
-                report_failure("gateway stop", exc)
-            await gateway.close()
-
+    """The ASGI app serving ``gateway``: the calls' front (``_CallFront``) before the FastAPI app of its own
+    routes (``routes.py``)."""
     app = FastAPI(title="lightning-rl gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-
-    def _json(data: Any, status: int = 200) -> Response:
-        return Response(orjson.dumps(data), status_code=status, media_type="application/json")
-
-    async def _raw(request: Request) -> bytes:
-        """The body, read up to the limit (413 beyond it, also when it comes chunked)."""
-        limit = gateway.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
-        parts, size = [], 0
-        async for piece in request.stream():
-            size += len(piece)
-            if size > limit:
-                raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
-            parts.append(piece)
-        return b"".join(parts)
-
-    async def _body(request: Request) -> dict[str, Any]:
-        return _parse_body(await _raw(request), gateway.max_body_bytes, invalid=422)
-
-    @app.exception_handler(GatewayError)
-    async def _refused(request: Request, exc: GatewayError) -> Response:
-        # OpenAI's error shape, so that an agent's OpenAI client shows the reason
-        return _json(openai_error(exc.status, exc.error, exc.details), exc.status)
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> Response:
-        gateway.check_admin(request.headers)  # like every route but health
-        return _json(app.openapi())
-
-    @app.get("/v1/health")
-    async def health() -> Response:
-        return _json({"ok": True, "open_rollouts": len(gateway.rollouts), "upstreams": gateway.upstream_health()})
-
-    @app.get("/v1/upstreams")
-    async def upstreams(request: Request) -> Response:
-        """The engines this gateway routes to (the replicas a publish must reach), with the gateway's token."""
-        gateway.check_admin(request.headers)
-        return _json({"upstreams": gateway.upstream_urls()})
-
-    @app.post("/v1/rollouts")
-    async def open_rollout(request: Request) -> Response:
-        gateway.check_admin(request.headers)
-        body = await _body(request)
-        return _json(await asyncio.to_thread(gateway.open_rollout, body, str(request.base_url)))
-
-    @app.post("/v1/rollouts/{rollout_id}/rewards")
-    async def reward(rollout_id: str, request: Request) -> Response:
-        gateway.check_rollout_credentials(rollout_id, request.headers)
-        body = await _body(request)
-        return _json(await asyncio.to_thread(gateway.reward, rollout_id, body, request.headers))
-
-    @app.post("/v1/rollouts/{rollout_id}/finish")
-    async def finish(rollout_id: str, request: Request) -> Response:
-        gateway.check_rollout_credentials(rollout_id, request.headers)
-        body = await _body(request)
-        return _json(await asyncio.to_thread(gateway.finish, rollout_id, body, request.headers))
-
-    async def _traces(request: Request, rollout_id: str | None) -> Response:
-        if gateway.shared:  # before a byte of the body is read or inflated (shared: a store read, off the loop)
-            await asyncio.to_thread(gateway.check_spans_sender, rollout_id, request.headers)
-        else:
-            gateway.check_spans_sender(rollout_id, request.headers)
-        body = await _raw(request)
-        kind = otlp.content_kind(request.headers.get("content-type"))
-        try:
-            spans = otlp.decode(body, kind, request.headers.get("content-encoding"), gateway.max_body_bytes)
-        except OTLPTooLarge as exc:
-            raise GatewayError(413, str(exc)) from None
-        except OTLPDecodeError as exc:
-            raise GatewayError(400, str(exc)) from None
-        problems = otlp.span_problems(spans)
-        if problems:
-            raise GatewayError(400, f"{len(problems)} span value(s) cannot be stored; nothing of this export was "
-                                    f"stored: {problems[0]}", problems)
-        taken = await asyncio.to_thread(gateway.take_spans, spans, rollout_id, request.headers)
-        return Response(otlp.encode_answer(taken["rejected"], taken["message"], kind),
-                        media_type="application/x-protobuf" if kind == "protobuf" else "application/json")
-
-    @app.post("/v1/traces")
-    async def traces(request: Request) -> Response:
-        return await _traces(request, None)
-
-    @app.post("/rollouts/{rollout_id}/v1/traces")
-    async def rollout_traces(rollout_id: str, request: Request) -> Response:
-        return await _traces(request, rollout_id)
-
+    app.state.gateway = gateway
+    add_routes(app)
     return _CallFront(gateway, app)
-
-
-def _parse_body(raw: bytes, limit: int, invalid: int = 400) -> dict[str, Any]:
-    """A JSON object body; ``invalid``: the status for a value that cannot be recorded (the LLM routes
-    answer 400 as OpenAI's API does; the gateway's own routes 422)."""
-    if len(raw) > limit:
-        raise GatewayError(413, f"request body over the gateway's limit of {limit} bytes")
-    try:
-        body = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(400, "the request body is not valid JSON", [str(exc)]) from None
-    if not isinstance(body, dict):
-        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    problem = json_problem(body, "body")
-    if problem:
-        raise GatewayError(invalid, f"the request body cannot be recorded: {problem}")
-    return body
 
 
 def _check_messages(messages: Any) -> None:
@@ -216,7 +84,7 @@ class _CallFront:
                 count("gateway_doubled_v1_paths")
                 message = (f"{scope['path']} has /v1 twice: this client adds /v1 itself, so give it the rollout's "
                            "base URL without its /v1 (e.g. ANTHROPIC_BASE_URL=http://HOST:PORT/rollouts/ID)")
-                dialect = self.dialects.get(doubled.group("endpoint"))
+                dialect = self.dialects.get(doubled.group("endpoint"), None)
                 body = orjson.dumps(dialect.error(404, message) if dialect else openai_error(404, message))
                 await send({"type": "http.response.start", "status": 404,
                             "headers": [_JSON, (b"content-length", str(len(body)).encode())]})
@@ -227,7 +95,7 @@ class _CallFront:
     async def _call(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any],
                     rollout_id: str | None, agent: str | None, endpoint: str) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        dialect = self.dialects.get(endpoint)
+        dialect = self.dialects.get(endpoint, None)
         try:
             if self.gateway.shared:  # the rollout as the store has it now: a read, off the event loop
                 active = await asyncio.to_thread(self.gateway.rollout_for, rollout_id, headers)

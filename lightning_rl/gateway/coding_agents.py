@@ -19,7 +19,7 @@ import orjson
 from .. import semconv
 from ..diagnostics import count
 from ..errors import ConfigurationError
-from ..settings import ENV_CLI_BINARY
+from ..settings import ENV_CLI_BINARY, variable
 
 # --- Claude Code -------------------------------------------------------------------------------------
 # What Claude Code (2.1.332, captured from the real CLI) sends that tells its lines apart: a sub-agent's
@@ -73,7 +73,7 @@ def find_cli(binary: str | None, program: str, env_var: str, package: str) -> st
     (``examples/cli_agents``, ``make node-deps``)."""
     local = Path.cwd() / "node_modules" / ".bin" / program
     checkout = Path(__file__).resolve().parents[2] / "examples" / "cli_agents" / "node_modules" / ".bin" / program
-    for candidate in (binary,) if binary else (os.environ.get(env_var), shutil.which(program), local, checkout):
+    for candidate in (binary,) if binary else (variable(env_var), shutil.which(program), local, checkout):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     if binary:  # the one given, and nothing else

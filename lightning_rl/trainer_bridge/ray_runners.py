@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..settings import ENV_STORE_TOKEN
+from ..settings import ENV_STORE_TOKEN, store_token
 
 
 class _RunnerActor:
@@ -79,7 +79,7 @@ def start_ray_runners(agent: str, store_url: str | Sequence[str], *, n: int = 2,
     actor_cls = ray.remote(_RunnerActor).options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=2,
                                                   runtime_env=runtime_env)
     options = dict(concurrency=concurrency, lease_seconds=lease_seconds, rollout_timeout=rollout_timeout)
-    token = token if token is not None else os.environ.get(ENV_STORE_TOKEN)
+    token = token if token is not None else store_token()
     if not isinstance(store_url, str):
         store_url = ",".join(store_url)  # what open_store takes: comma-separated servers
     actors = [actor_cls.remote(agent, store_url, token, dict(options, runner_id=f"ray-{i}")) for i in range(n)]

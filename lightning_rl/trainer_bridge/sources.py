@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from ..boundaries import check_int
 from ..diagnostics import report_failure
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, RunnerStoppedError
 from ..records import Mode, QueueStatus, RolloutStatus, Sample, Trajectory
 from ..store.protocols import Store
 from ..store.queries import trajectory
@@ -139,7 +139,9 @@ class LiveGroups:
         while True:
             if self._future is not None and self._future.done():
                 self._future.result()  # the runner died: raise its error here
-                raise RuntimeError("the runner stopped while groups were still queued")
+                raise RunnerStoppedError(
+                    f"the runner stopped while {len(self._outstanding)} group(s) were still queued (first: "
+                    f"{self._outstanding[0]!r}); stop it only after the last batch (close() does)")
             complete = self._complete_groups()
             if len(complete) >= min(self.tasks_per_step, len(self._outstanding)):
                 break

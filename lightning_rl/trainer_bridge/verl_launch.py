@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..settings import DEFAULT_STORE, ENV_STORE
+from ..settings import store_url
 from ..store.uri import parse_store_url, store_backend
 
 SUPPORTED = (">=0.9.1", "<0.10")
@@ -145,7 +145,7 @@ def check_verl_config(cfg: Any) -> None:
             "on its token path only, so the OpenAI routes the agent calls would sample from the base model while the "
             "actor trains the LoRA; set actor_rollout_ref.model.lora.merge=true")
     nodes = int(_get(cfg, "trainer.nnodes", 1) or 1)
-    store = _get(cfg, "lightning_rl.store") or os.environ.get(ENV_STORE) or DEFAULT_STORE
+    store = _get(cfg, "lightning_rl.store") or store_url()
     if nodes > 1 and not store_backend(str(store)).shared:
         raise ConfigurationError(_shared_store_message(nodes, str(store)))
 
@@ -205,7 +205,7 @@ def verl_command(agent: str | None, overrides: Sequence[str] = (), *, store: str
                                  "runners elsewhere run it: lightning_rl.rollouts=external")
     if agent is not None and ":" not in agent:
         raise ConfigurationError(f"--agent must be module:function of a traced agent, got {agent!r}")
-    target = store or os.environ.get(ENV_STORE) or DEFAULT_STORE
+    target = store or store_url()
     backend = store_backend(target)
     if _nodes(overrides) > 1 and not backend.shared:
         raise ConfigurationError(_shared_store_message(_nodes(overrides), target))

@@ -2,8 +2,8 @@
 the store server it talks to (``lightning-rl store serve``), which serves any servable backend.
 
 ``client.py`` (``HttpStore``), ``writes.py`` (its batches, fail-over and spill), ``server.py`` (the app and
-``serve``), ``routes.py`` (the queue's routes), ``auth.py`` (tokens and roles). The wire format both sides
-speak is ``store/wire.py`` (spill files hold it too). Registered here for its URLs (``kit/backends.py``).
+``serve``), ``routes.py`` (every route of the server), ``auth.py`` (tokens and roles). The wire format both sides
+speak is ``store/wire/`` (spill files hold it too). Registered here for its URLs (``kit/backends.py``).
 """
 
 from __future__ import annotations

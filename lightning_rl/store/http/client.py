@@ -1,7 +1,7 @@
 """HttpStore: the client of ``lightning-rl store serve``, used when ``LIGHTNING_RL_STORE=http://...``.
 
 Writes (rollouts, spans, rewards, finishes) are the writer's ops (``store/ops.py``), queued to a
-background writer that encodes them as the server's idempotent wire ops (``store/wire.py``) and sends
+background writer that encodes them as the server's idempotent wire ops (``store/wire/``) and sends
 them in batches, so a retried batch never duplicates anything.
 
 **Several servers, one store.** ``HttpStore(["http://a:8765", "http://b:8765"])`` (or one string with
@@ -69,7 +69,7 @@ from ...records import (
     RolloutStatus,
     Span,
 )
-from ...settings import ENV_SPILL_DIR, ENV_STORE_TOKEN, Settings
+from ...settings import Settings, spill_dir, store_token
 from .. import checks, scan, wire
 from .writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _NoStoreServer, _Unreachable, server_urls
 from ..erasure import erase_from_spill_files, erased, rollout_id_list
@@ -80,7 +80,7 @@ from ..writer import BackgroundWriter
 
 
 def _default_spill_dir(urls: list[str]) -> Path:
-    configured = os.environ.get(ENV_SPILL_DIR)
+    configured = spill_dir()
     if configured:
         return Path(configured)
     name = "+".join(sorted(f"{p.hostname}_{p.port or 80}" for p in map(urlsplit, urls)))
@@ -102,7 +102,7 @@ class HttpStore(KitStore):
                  read_only: bool = False) -> None:
         urls = server_urls(url)
         self.url = ",".join(urls)  # what open_store takes back (worker processes reopen it so)
-        token = token if token is not None else os.environ.get(ENV_STORE_TOKEN)
+        token = token if token is not None else store_token()
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
