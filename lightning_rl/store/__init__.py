@@ -10,8 +10,9 @@ Laid out as a kit (``docs/extending.md``, "Add a store backend"):
   primitives) and the SQL rollout queries by dialect;
 * what no backend owns: ``protocols.py``, ``uri.py``, ``queries.py``, ``assembly.py``, ``credit.py``,
   ``training_samples.py``, ``export.py``/``parquet.py``, and the machinery backends share (the writer's ops
-  ``ops.py``, rows ``rows.py``, ``wire.py``, the background writer ``writer.py``/``durable.py``/``spill.py``,
-  ``quarantine.py``, ``erasure.py``, ``task_queue.py``, ``tokens.py``, ``checks.py``, ``scan.py``).
+  ``ops.py``, rows ``rows.py``, the wire format ``wire/``, the background writer ``writer.py``/``durable.py``/
+  ``spill.py``, ``quarantine.py``, ``erasure.py`` (what each backend keeps and erases; how, in its folder),
+  ``task_queue.py``, ``tokens.py``, ``checks.py``, ``scan.py``).
 
 ``sqlite_store.py``, ``postgres_store.py``, ``http_store.py``, ``server.py`` and ``server_auth.py`` are the
 module paths from before the folders, kept importable (each is the moved module itself).

@@ -7,22 +7,14 @@ lines for it that wait in the store's local spill files (rewritten without them)
 everything, their reward sums included (each rollout's sums are over its own rewards). Policy records
 (``record_policy``, the ``trained_on`` lineage of group ids) are kept: they name groups, not content.
 
-How the text leaves the files (``docs/retention.md``):
-
-* SQLite: the DELETE runs with ``PRAGMA secure_delete = ON`` (SQLite zeroes the freed cells and pages),
-  then ``PRAGMA wal_checkpoint(TRUNCATE)`` copies the pages back and truncates the WAL, so no older copy
-  stays there. ``full=True`` then runs ``VACUUM`` (the file shrinks to what it holds).
-* PostgreSQL: DELETE, then ``VACUUM`` of the tables (the space is reusable; PostgreSQL does not zero it,
-  so the bytes stay in the table files until new rows overwrite them); ``full=True`` runs ``VACUUM FULL``
-  (new table files, the old ones removed) and a ``CHECKPOINT``. Copies in WAL segments (and in their
-  archive, and in backups) stay until those are recycled or expire: the database cannot reach them.
+How the text leaves the files is each backend's (``docs/retention.md``): SQLite's in ``sqlite/erasure.py``,
+PostgreSQL's in ``postgres/erasure.py``; both delete the rows of ``OWNED_TABLES``, ``ERASE_CHUNK`` ids a statement.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,16 +23,14 @@ from typing import Any
 import orjson
 
 from ..diagnostics import count
-from ..errors import ConfigurationError, StoreError
+from ..errors import ConfigurationError
 from . import wire
 from .ops import rollout_of
 from .spill import SpillFiles, rejected_files_in, spill_files_in
 
 #: Tables with a ``rollout_id`` column whose rows belong to a rollout; ``rollouts`` itself goes last.
 OWNED_TABLES = ("spans", "rewards", "queue", "quarantine")
-#: The tables VACUUM visits after an erasure (PostgreSQL).
-ERASED_TABLES = (*OWNED_TABLES, "rollouts")
-_CHUNK = 500  # ids per statement: far below SQLite's bound-parameter limit
+ERASE_CHUNK = 500  # ids per statement: far below SQLite's bound-parameter limit
 
 
 def rollout_id_list(rollout_ids: Iterable[str]) -> list[str]:
@@ -100,76 +90,6 @@ def erase_from_spill_files(spills: SpillFiles, rollout_ids: Iterable[str]) -> in
     if removed:
         count("spill_lines_erased", removed)
     return removed
-
-
-# -- SQLite ------------------------------------------------------------------------------------------
-def _marks(n: int, mark: str = "?") -> str:
-    return ", ".join([mark] * n)
-
-
-def erase_sqlite(conn: sqlite3.Connection, rollout_ids: list[str], *, full: bool, busy_timeout: float,
-                 where: str) -> int:
-    """Delete the rollouts' rows on ``conn`` (its caller holds it) with freed bytes zeroed, then empty
-    the WAL (and ``VACUUM`` with ``full``). Returns the rollouts removed."""
-    conn.execute("PRAGMA secure_delete = ON")
-    removed = 0
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        for start in range(0, len(rollout_ids), _CHUNK):
-            chunk = rollout_ids[start:start + _CHUNK]
-            marks = _marks(len(chunk))
-            for table in OWNED_TABLES:
-                conn.execute(f"DELETE FROM {table} WHERE rollout_id IN ({marks})", chunk)
-            removed += conn.execute(f"DELETE FROM rollouts WHERE rollout_id IN ({marks})", chunk).rowcount
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    if full:
-        conn.execute("VACUUM")
-    checkpoint_sqlite(conn, busy_timeout, where)
-    return removed
-
-
-def checkpoint_sqlite(conn: sqlite3.Connection, busy_timeout: float, where: str) -> None:
-    """Copy the WAL into the database file and truncate it to nothing; retried while readers hold it."""
-    deadline = time.monotonic() + busy_timeout
-    while True:
-        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        if not busy:
-            return
-        if time.monotonic() >= deadline:
-            raise StoreError(
-                f"the rollouts were deleted from {where}, but its WAL file could not be emptied in {busy_timeout:g} s "
-                "(another process holds a read open): an older copy of their text may stay in it until it is. Run "
-                "the erasure again (or `lightning-rl store prune`) when the other processes are idle")
-        time.sleep(0.05)
-
-
-# -- PostgreSQL ----------------------------------------------------------------------------------------
-def delete_postgres(conn: Any, rollout_ids: list[str]) -> int:
-    """Delete the rollouts' rows in the caller's transaction; returns the rollouts removed."""
-    removed = 0
-    with conn.cursor() as cur:
-        for start in range(0, len(rollout_ids), _CHUNK):
-            chunk = rollout_ids[start:start + _CHUNK]
-            for table in OWNED_TABLES:
-                cur.execute(f"DELETE FROM {table} WHERE rollout_id = ANY(%s)", (chunk,))
-            cur.execute("DELETE FROM rollouts WHERE rollout_id = ANY(%s)", (chunk,))
-            removed += cur.rowcount
-    return removed
-
-
-def vacuum_postgres(conn: Any, *, full: bool) -> None:
-    """``VACUUM`` (or ``VACUUM FULL`` and a ``CHECKPOINT``) of the erased tables, on an autocommit connection."""
-    with conn.cursor() as cur:
-        cur.execute(f"VACUUM {'FULL ' if full else ''}{', '.join(ERASED_TABLES)}")
-        if full:
-            try:
-                cur.execute("CHECKPOINT")  # the rewritten files reach the disk now, not at the next checkpoint
-            except Exception:  # CHECKPOINT needs superuser or pg_checkpoint (PostgreSQL 15+): the next one comes anyway
-                pass
 
 
 # -- prune (``lightning-rl store prune``) ---------------------------------------------------------------

@@ -15,7 +15,9 @@ from typing import Any
 from ..diagnostics import count
 from ..records import PolicyDecision, PolicyRecord, QuarantinedRecord, QueueEntry, Reward, Rollout, Span
 from .kit.backends import StoreBackend, register_store_backend
-from .kit.base import Batch, DictQueueView, KitStore, expired, finished
+from .kit.base import KitStore
+from .kit.batch import Batch, expired, finished
+from .kit.in_process import DictQueueView
 from .rows import span_from_values
 
 

@@ -1,22 +1,20 @@
-"""Records a store cannot write, told apart from a store that cannot be written, and described.
+"""Records a store cannot write, described so that a store keeps them (its backend tells them apart from a
+store that cannot be written).
 
-The writer (``writer.py``) asks :func:`is_record_error` whether a failed batch failed for a reason in
-its own data. If so, it isolates the ops that fail on their own; each is described here
-(:func:`describe`: a ``Quarantine`` op with its rollout, why, and its original form as JSON text) and
-kept in the store's quarantine (the ``quarantine`` table of a SQLite store), never retried, never spilled.
+The writer (``writer.py``) asks the backend's ``is_record_error`` (SQLite's in ``sqlite/quarantine.py``,
+PostgreSQL's in ``postgres/store.py``) whether a failed batch failed for a reason in its own data. If so,
+it isolates the ops that fail on their own; each is described here (:func:`describe`: a ``Quarantine`` op
+with its rollout, why, and its original form as JSON text) and kept in the store's quarantine (its
+``quarantine`` table, one row per :func:`digest_of`), never retried, never spilled.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sqlite3
-import time
-from typing import Any
 
 import orjson
 
 from ..boundaries import int64_problem, safe_text
-from ..records import QuarantinedRecord
 from . import wire
 from .ops import (
     EncodedSpan,
@@ -34,17 +32,6 @@ from .rows import SPAN_COLUMNS
 # Integer columns of a span row, by name and position.
 _SPAN_INTS = {name: SPAN_COLUMNS.index(name) for name in ("seq", "start_ns", "end_ns", "prompt_base_seq", "prompt_shared",
                                                     "input_base_seq", "input_shared")}
-
-
-def is_record_error(exc: BaseException) -> bool:
-    """True when a write failed because of the records themselves (a value SQLite cannot bind, a
-    constraint, a payload of the wrong shape); False when the database could not be written at all
-    (locked, busy, full, read-only, an I/O error, a corrupt file): that is retried or spilled."""
-    if isinstance(exc, (sqlite3.OperationalError, OSError, MemoryError)):
-        return False
-    if type(exc) is sqlite3.DatabaseError:  # "database disk image is malformed", "file is not a database"
-        return False
-    return True
 
 
 def _first(*problems: str | None) -> str | None:
@@ -84,21 +71,3 @@ def describe(op: Op, exc: BaseException) -> Quarantine:
 def digest_of(kind: str, text: str) -> str:
     """What keeps a quarantined record once however often its batch is retried: its kind and form, hashed."""
     return hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def insert_quarantine(conn: sqlite3.Connection, kind: str, rollout_id: Any, reason: str, text: str) -> bool:
-    """A row of the SQLite ``quarantine`` table (in the caller's transaction); False if it was there already
-    (a batch retried after a lock meets the same record again: it is kept once)."""
-    rollout_id = rollout_id if isinstance(rollout_id, str) else None
-    digest = digest_of(kind, text)
-    text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    cur = conn.execute("INSERT OR IGNORE INTO quarantine (time, kind, rollout_id, reason, payload, digest) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", (time.time(), kind, rollout_id, reason, text, digest))
-    return cur.rowcount > 0
-
-
-def read_quarantine(conn: sqlite3.Connection, limit: int) -> list[QuarantinedRecord]:
-    rows = conn.execute("SELECT quarantine_id, time, kind, rollout_id, reason, payload FROM quarantine "
-                        "ORDER BY quarantine_id DESC LIMIT ?", (int(limit),)).fetchall()
-    return [QuarantinedRecord(quarantine_id=q, time=t, kind=k, rollout_id=r, reason=why, payload=text)
-            for q, t, k, r, why, text in rows]

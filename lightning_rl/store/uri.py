@@ -47,11 +47,6 @@ def store_backend(url: str | os.PathLike[str] | None) -> StoreBackend:
     return backend_named(parse_store_url(url)[0])
 
 
-def store_kind(url: str | os.PathLike[str]) -> str:
-    """The name of the backend a URL names: ``"sqlite"``, ``"memory"``, ``"http"``, ``"postgres"`` or a registered one."""
-    return parse_store_url(url)[0]
-
-
 def same_store(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Whether two URLs name the same store (``runs.db``, ``sqlite:///runs.db`` and its absolute path
     do; two ``memory://`` URLs never do: each opens a new store). The backend's ``same`` decides."""

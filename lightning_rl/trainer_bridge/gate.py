@@ -33,7 +33,7 @@ from ..tracer import rollout_overrides
 from .noninferiority import GateTest, not_worse
 from .publishers import load_served, unload_served
 from .replicas import Replicas
-from .runner import LoopThread
+from .loop_thread import LoopThread
 
 
 class Gate:

@@ -18,12 +18,14 @@ Timeouts: an async agent is cancelled inside its traced call; a sync agent canno
 the runner stops waiting for it, marks its rollout ``timed_out`` and completes the try; the thread
 is left to finish on its own, and whatever it reports later cannot change the outcome. A try whose
 lease has already run out when its agent would start is not run at all (its retry will be).
+
+Beside it: the event-loop thread runners share (``loop_thread.py``) and agents named ``module:function``
+(``agent_loading.py``); both are importable from here as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import inspect
 import os
@@ -41,6 +43,12 @@ from ..store.protocols import Store
 from ..store.queries import wait_for_groups
 from ..store.task_queue import check_wait
 from ..tracer import rollout_overrides
+from .agent_loading import agent_reference, load_agent
+from .loop_thread import LoopThread
+
+#: ``LoopThread`` (``loop_thread.py``), ``agent_reference`` and ``load_agent`` (``agent_loading.py``) are imported
+#: from here too.
+__all__ = ["LoopThread", "Runner", "agent_reference", "load_agent", "run_in_processes"]
 
 
 class Runner:
@@ -296,61 +304,6 @@ class Runner:
                 await asyncio.sleep(1.0)
 
 
-class LoopThread:
-    """One asyncio event loop in a thread of its own, for every runner of a trainer.
-
-    ``run(coro)`` waits for a coroutine there; ``submit(coro)`` starts one and returns a
-    ``concurrent.futures.Future`` (the overlapped loop runs its runner so while it updates). Both run
-    the coroutine in a copy of the caller's context. One loop for the whole run: async clients (an
-    AsyncOpenAI connection pool) are bound to the loop they first ran on."""
-
-    def __init__(self, name: str = "lightning-rl-loop") -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Any) -> "concurrent.futures.Future[Any]":
-        ctx = contextvars.copy_context()
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def settle(task: asyncio.Task) -> None:
-            if task.cancelled():
-                future.set_exception(asyncio.CancelledError())
-            elif task.exception() is not None:
-                future.set_exception(task.exception())
-            else:
-                future.set_result(task.result())
-
-        def start() -> None:
-            if not future.set_running_or_notify_cancel():
-                coro.close()
-                return
-            self._loop.create_task(coro, context=ctx).add_done_callback(settle)
-
-        self._loop.call_soon_threadsafe(start)
-        return future
-
-    def run(self, coro: Any) -> Any:
-        return self.submit(coro).result()
-
-    def close(self) -> None:
-        """Cancel what still runs there, then stop and close the loop."""
-        if self._loop.is_closed():
-            return
-
-        async def cancel_rest() -> None:
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
-            await self._loop.shutdown_asyncgens()
-
-        self.run(cancel_rest())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-
 class _LeaseGone(Exception):
     """The lease ran out before the agent could start."""
 
@@ -364,42 +317,6 @@ class _Lease:
 
     def expired(self) -> bool:
         return self.lost or time.monotonic() >= self.until
-
-
-def agent_reference(agent: Callable[[Any], Any]) -> str:
-    """``module:qualname`` of a module-level traced function, importable by a worker process."""
-    module, name = getattr(agent, "__module__", None), getattr(agent, "__qualname__", "")
-    if not module or "<locals>" in name or module == "__main__":
-        from ..errors import ConfigurationError
-
-        raise ConfigurationError(
-            f"worker processes import the agent by name, but {agent!r} is not importable "
-            f"(module {module!r}, name {name!r}); define it at module level in an importable module"
-        )
-    return f"{module}:{name}"
-
-
-def load_agent(reference: str) -> Callable[[Any], Any]:
-    """Import ``module:function`` (the current directory is searched too, as ``python -m`` does)."""
-    import importlib
-    import sys
-
-    from ..errors import ConfigurationError
-
-    module, _, name = reference.partition(":")
-    if not module or not name:
-        raise ConfigurationError(f"agent {reference!r} is not module:function (e.g. my_pkg.agents:solve)")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"cannot load agent {reference!r}: {exc}; give an importable module:function") from None
-    if not callable(obj):
-        raise ConfigurationError(f"agent {reference!r} is a {type(obj).__name__}, not a function")
-    return obj
 
 
 def _process_worker(store_url: str, reference: str, group_ids: list[str], runner_id: str, concurrency: int,
@@ -421,8 +338,6 @@ def run_in_processes(store_url: str, agent: Callable[[Any], Any], group_ids: Seq
     import multiprocessing as mp
 
     if not store_url.startswith(("sqlite:", "http:", "https:")) and "://" in store_url:
-        from ..errors import ConfigurationError
-
         raise ConfigurationError(f"worker processes need a store they can all open, got {store_url!r}")
     reference = agent_reference(agent)
     ctx = mp.get_context("spawn")

@@ -56,7 +56,7 @@ from ..store.queries import policy_versions, trajectory
 from ..tracer import rollout_overrides
 from ..tracer.provider import tracing
 from .failures import INFRA_ERRORS
-from .runner import load_agent
+from .agent_loading import load_agent
 from .verl_launch import check_verl_config, check_verl_version, served_model_name
 from .verl_rows import Row, rollout_rows
 

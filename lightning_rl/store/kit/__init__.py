@@ -3,7 +3,9 @@
 * ``backends.py``: URL scheme -> backend, the one registry every choice of store goes through
   (``open_store``, the store server, the CLI, the verl launch).
 * ``base.py``: ``KitStore``, the sink funnel, ingest, the task queue and the scan-backed queries written
-  once over a dozen storage primitives; ``sort_ops``, the one dispatch of the writer's ops.
+  once over a dozen storage primitives.
+* ``batch.py``: ``sort_ops``, the one dispatch of the writer's ops into a ``Batch``; ``finished``, ``expired``.
+* ``in_process.py``: ``ImmediateWriter`` and ``DictQueueView``, for a store that keeps everything in this process.
 * ``rollout_sql.py``: the rollout queries of the SQL backends, built once for each SQL dialect.
 
 ``docs/extending.md`` ("Add a store backend") walks through adding one.

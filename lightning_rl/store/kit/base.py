@@ -2,8 +2,8 @@
 
 **Written here, once.** The sink funnel (``start_rollout``, ``write_span``, ``write_reward``,
 ``finish_rollout``, ``flush``) and ingest (``add_spans``, ``write_batch``, ``add_reward``) hand the writer's
-ops (``store/ops.py``) to ``self._writer``; ``sort_ops`` is the one dispatch of those ops into a
-:class:`Batch` (rows by table, in the order a batch is written); the task queue's rules
+ops (``store/ops.py``) to ``self._writer``; ``sort_ops`` (``kit/batch.py``) is the one dispatch of those ops
+into a :class:`Batch` (rows by table, in the order a batch is written); the task queue's rules
 (``task_queue.py``) run over ``_queue_txn``; and every query has a default that scans the primitives
 below. A SQL backend overrides the queries it answers from an index (``kit/rollout_sql.py`` builds its
 rollout page); the rules stay here.
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import StoreError
@@ -43,7 +42,6 @@ from ...records import (
     PolicyRecord,
     QuarantinedRecord,
     QueueEntry,
-    QueueStatus,
     Reward,
     RewardSource,
     Rollout,
@@ -52,92 +50,18 @@ from ...records import (
     RolloutStatus,
     Span,
     SpanRow,
-    allowed_from,
 )
 from ...settings import Settings
 from .. import checks, scan, task_queue
 from ..durable import INGEST_CHUNK
-from ..ops import EncodedSpan, ExpireTry, FinishRollout, Op, Quarantine, StartRollout, TracedSpan, WriteReward
-from ..quarantine import describe, record_problem
-from ..rows import span_record_values, span_values
+from ..ops import EncodedSpan, ExpireTry, FinishRollout, Op, StartRollout, TracedSpan, WriteReward
+from ..rows import span_record_values
+from .batch import Batch, expired, finished, sort_ops
+from .in_process import DictQueueView, ImmediateWriter
 
-
-@dataclass(slots=True)
-class Batch:
-    """A batch of ops sorted by table, each list in op order (``sort_ops``)."""
-
-    rollouts: list[Rollout] = field(default_factory=list)
-    spans: list[tuple] = field(default_factory=list)  # ``spans`` rows (``rows.span_values``)
-    rewards: list[Reward] = field(default_factory=list)
-    finishes: list[FinishRollout] = field(default_factory=list)
-    expires: list[Rollout] = field(default_factory=list)  # the queue's tombstones (``ExpireTry``)
-    notes: list[Quarantine] = field(default_factory=list)
-
-
-def sort_ops(ops: Iterable[Op]) -> Batch:
-    """The one dispatch of the writer's ops: each to its table's list. An unknown op raises ``TypeError``."""
-    batch = Batch()
-    for op in ops:
-        kind = type(op)
-        if kind is TracedSpan:
-            batch.spans.append(span_values(op.row))
-        elif kind is EncodedSpan:
-            batch.spans.append(op.values)
-        elif kind is StartRollout:
-            batch.rollouts.append(op.rollout)
-        elif kind is WriteReward:
-            batch.rewards.append(op.reward)
-        elif kind is FinishRollout:
-            batch.finishes.append(op)
-        elif kind is ExpireTry:
-            batch.expires.append(op.tombstone)
-        elif kind is Quarantine:
-            batch.notes.append(op)
-        else:
-            raise TypeError(f"not a writer op: {op!r:.80}")
-    return batch
-
-
-def finished(rollout: Rollout | None, op: FinishRollout) -> Rollout | None:
-    """The rollout after ``op``, or None where the lifecycle refuses it (``records.TRANSITIONS``: counted by
-    the caller as ``rejected_status_transitions``)."""
-    if rollout is None or rollout.status not in allowed_from(op.status):
-        return None
-    return rollout.model_copy(update={
-        "status": RolloutStatus(op.status), "end_time": op.end_time, "error": op.error,
-        "policy_version": rollout.policy_version if op.policy_version is None else op.policy_version})
-
-
-def expired(rollout: Rollout | None, tombstone: Rollout) -> Rollout:
-    """The rollout after the queue gave up on its try: ``timed_out`` whatever it was (the tombstone if none)."""
-    if rollout is None:
-        return tombstone
-    if rollout.status == RolloutStatus.TIMED_OUT:
-        return rollout
-    return rollout.model_copy(update={"status": RolloutStatus.TIMED_OUT, "end_time": tombstone.end_time,
-                                      "error": tombstone.error})
-
-
-class ImmediateWriter:
-    """The writer of a store that writes at once (in memory): each op applied as it comes, what no SQLite
-    store could hold set aside in the quarantine instead (one contract for every store)."""
-
-    pending = 0
-
-    def __init__(self, apply: Callable[[Batch], None]) -> None:
-        self._apply = apply
-
-    def put(self, op: Op) -> None:
-        self.put_many([op])
-
-    def put_many(self, ops: list[Op]) -> None:
-        self._apply(sort_ops(op if (problem := record_problem(op)) is None else describe(op, ValueError(problem))
-                             for op in ops))
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return True
-
-    flush_applied = flush
+#: ``Batch``, ``sort_ops``, ``finished``, ``expired`` (``kit/batch.py``), ``ImmediateWriter`` and ``DictQueueView``
+#: (``kit/in_process.py``) are imported from here too.
+__all__ = ["Batch", "DictQueueView", "ImmediateWriter", "KitStore", "expired", "finished", "sort_ops"]
 
 
 class KitStore:
@@ -414,32 +338,3 @@ class KitStore:
 
     def _quarantine(self, limit: int) -> list[QuarantinedRecord]:
         raise NotImplementedError
-
-
-class DictQueueView:
-    """``task_queue.QueueView`` over a dict of entries by ``queue_id``, for stores that keep the queue in this
-    process (the caller's ``_queue_txn`` holds its lock). A scan: such a store serves one process, not a fleet
-    (SQLite and PostgreSQL read an index)."""
-
-    def __init__(self, entries: dict[str, QueueEntry]) -> None:
-        self._entries = entries
-
-    def select(self, *, status: Sequence[Any], group_ids: Sequence[str] | None = None,
-               queue_id: str | None = None, limit: int | None = None) -> list[QueueEntry]:
-        out = [e for e in self._entries.values()
-               if e.status in status and (group_ids is None or e.group_id in group_ids)
-               and (queue_id is None or e.queue_id == queue_id)]
-        out.sort(key=lambda e: (e.created, e.attempt))
-        return out[:limit] if limit is not None else out
-
-    def put(self, entries: Iterable[QueueEntry]) -> None:
-        for e in entries:
-            self._entries[e.queue_id] = e
-
-    def expired(self, now: float) -> list[QueueEntry]:
-        return [e for e in self._entries.values() if e.status == QueueStatus.LEASED
-                and e.lease_expires is not None and e.lease_expires < now]
-
-    def held(self, runner: str, key: str) -> list[QueueEntry]:
-        return sorted((e for e in self._entries.values() if e.status == QueueStatus.LEASED and e.runner == runner
-                       and e.lease_key == key), key=lambda e: (e.created, e.attempt))

@@ -40,7 +40,7 @@ from ...records import (
     allowed_from,
 )
 from ..kit import rollout_sql
-from ..kit.base import sort_ops
+from ..kit.batch import sort_ops
 from ..ops import FinishRollout, Op, Quarantine
 from .schema import LOCK_REWARDS
 from ..rows import (

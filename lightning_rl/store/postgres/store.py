@@ -22,7 +22,6 @@ A password in the URL works (libpq also reads ``PGPASSWORD`` and ``~/.pgpass``);
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import threading
 import time
@@ -45,12 +44,13 @@ from ...records import (
     RolloutStatus,
     Span,
 )
-from ...settings import ENV_SPILL_DIR, Settings
+from ...settings import Settings, spill_dir
 from .. import checks, task_queue
 from . import queue as pgq
 from . import sql
 from ..durable import DurableWrites
-from ..erasure import delete_postgres, erased, rollout_id_list, vacuum_postgres
+from ..erasure import erased, rollout_id_list
+from .erasure import delete_postgres, vacuum_postgres
 from ..spill import spill_files_in
 from ..kit.base import KitStore
 from ..lifecycle import track
@@ -101,7 +101,7 @@ def parse_url(url: str) -> tuple[str, str, str]:
 
 
 def _spill_folder(url: str, schema: str) -> Path:
-    configured = os.environ.get(ENV_SPILL_DIR)
+    configured = spill_dir()
     if configured:
         return Path(configured)
     parts = urlsplit(url)

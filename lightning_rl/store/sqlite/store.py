@@ -49,11 +49,12 @@ from . import reads as sql
 from .connections import NETWORK_FILESYSTEMS, connect, filesystem_type
 from ..durable import DurableWrites
 from ..kit.base import KitStore
-from ..erasure import erase_sqlite, erased, rollout_id_list
+from ..erasure import erased, rollout_id_list
+from .erasure import erase_sqlite
 from ..lifecycle import track
 from .migrations import latest_version, migrate
 from ..ops import Op, Quarantine
-from ..quarantine import insert_quarantine, is_record_error, read_quarantine
+from .quarantine import insert_quarantine, is_record_error, read_quarantine
 from ..spill import SpillFiles, forget_claims, spill_files_in
 from .writes import QueueView, apply_ops, insert_decision, insert_policy, queue_ready
 from ..tokens import PrefixSharer

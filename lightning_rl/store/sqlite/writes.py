@@ -14,9 +14,9 @@ import orjson
 
 from ...diagnostics import count
 from ...records import PolicyDecision, PolicyRecord, QueueEntry, QueueStatus, RolloutStatus, allowed_from
-from ..kit.base import sort_ops
+from ..kit.batch import sort_ops
 from ..ops import Op
-from ..quarantine import insert_quarantine
+from .quarantine import insert_quarantine
 from ..rows import (
     DECISION_COLUMNS,
     decision_values,
