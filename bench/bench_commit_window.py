@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """How long a span waits in memory before the SQLite store commits it: the window a process killed
 outright (kill -9, an OOM kill) can lose. A traced rollout is durable when its call returns (the store
-is flushed); its spans before that are committed by the background writer on its own.
+is flushed); its spans before that are committed by the background writer on its own, which holds a
+running rollout's spans for up to its commit window (``store/durable.py`` ``COMMIT_WINDOW``, 50 ms since
+issue 46) so that they share a transaction.
 
 Inside one traced call, each tool span is ended and a second SQLite connection polls until the row is
 visible; the baseline in the same run is an explicit ``store.flush()`` after a span (a durable write's

@@ -82,14 +82,22 @@ def _wrap_async_stream(stream: Any, call: CapturedCall) -> Any:
     return stream
 
 
+_STREAMS: list[type] = []  # openai's Stream and AsyncStream, imported on the first call
+
+
 def _attach(result: Any, call: CapturedCall) -> Any:
     """Record ``result`` (a response, a stream, or a raw response) into ``call``. Never raises."""
     try:
-        from openai import AsyncStream, Stream
+        if not _STREAMS:
+            from openai import AsyncStream, Stream
 
-        if isinstance(result, Stream):
+            _STREAMS[:] = (Stream, AsyncStream)
+        if hasattr(result, "choices") and not isinstance(result, (_STREAMS[0], _STREAMS[1])):
+            call.record_response(result)  # a parsed completion: the usual case, first
+            return result
+        if isinstance(result, _STREAMS[0]):
             return _wrap_sync_stream(result, call)
-        if isinstance(result, AsyncStream):
+        if isinstance(result, _STREAMS[1]):
             return _wrap_async_stream(result, call)
         parse = getattr(result, "parse", None)
         if callable(parse) and not hasattr(result, "choices"):  # with_raw_response / with_streaming_response
@@ -135,7 +143,20 @@ def _attach_parsed(parsed: Any, call: CapturedCall) -> Any:
     return _attach(parsed, call)
 
 
-#: How servers say they refuse a request field they do not know (besides naming it): pydantic's
+_servers: dict[int, tuple[Any, Server]] = {}  # id(base_url) -> (base_url, its Server): read once per client URL
+
+
+def _server(base_url: Any) -> Server:
+    """The server of a client's ``base_url`` (reading an httpx URL's host and port costs microseconds per call)."""
+    known = _servers.get(id(base_url))
+    if known is not None and known[0] is base_url:  # held here, so its id is not reused while cached
+        return known[1]
+    server = Server.from_url(base_url)
+    if len(_servers) >= 256:
+        _servers.clear()
+    _servers[id(base_url)] = (base_url, server)
+    return server
+
 
 def _start(client: Any, options: Any) -> tuple[CapturedCall, dict[str, Any]] | None:
     """A captured call for this request (None: not one we record), and the caller's own extra fields."""
@@ -145,7 +166,7 @@ def _start(client: Any, options: Any) -> tuple[CapturedCall, dict[str, Any]] | N
             return None
         body = options.json_data if isinstance(options.json_data, dict) else {}
         base = dict(options.extra_json) if options.extra_json else {}
-        call = CapturedCall(Server.from_url(getattr(client, "base_url", None)), {**body, **base} if base else body,
+        call = CapturedCall(_server(getattr(client, "base_url", None)), {**body, **base} if base else body,
                             op, _rollout.get())
         if call.extra:
             # The client builds these options for this one call (and copies them again before any retry),

@@ -30,6 +30,15 @@ from .tokens import PrefixSharer
 from .writer import BackgroundWriter
 
 
+#: Seconds a traced span of a rollout still running may wait in memory for others to share its transaction
+#: (``writer.py``'s commit window); a rollout's finish, a flush, a reward, an ingest are written at once.
+COMMIT_WINDOW = 0.05
+
+
+def _running_rollouts_span(op: Op) -> bool:
+    return type(op) is TracedSpan
+
+
 #: Ops an ingest (``add_spans``) hands the writer at once: one batch, one transaction, not a span at a time.
 INGEST_CHUNK = 1000
 
@@ -49,7 +58,7 @@ class DurableWrites:
         self.writer = BackgroundWriter(
             self._apply, maxsize=queue_size, name=name, spill=self._spill, replay=self._replay,
             backlog=lambda: bool(self.spills.files), give_up_after=give_up_after, quarantine=self._quarantine,
-            is_record_error=is_record_error)
+            is_record_error=is_record_error, window=COMMIT_WINDOW, may_wait=_running_rollouts_span)
         if self.spills.files:
             self.writer.flush(0)  # wakes the writer, which writes the backlog back first
 

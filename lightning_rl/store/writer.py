@@ -10,6 +10,14 @@ Order is kept: once a batch is spilled, every later batch is spilled behind it u
 back. ``flush`` returns once everything put before it has been applied or spilled; ``flush_applied``
 says whether it was applied.
 
+The commit window (``window`` > 0, ``may_wait``): an op that ``may_wait`` accepts (a span of a rollout
+that is still running) waits up to ``window`` seconds for others to share its transaction; anything else
+(a rollout's start or finish, a reward, a flush marker, an ingest's batch) is written at once, with
+everything queued before it, and so is a batch of ``maxsize // 4`` ops. So a finished rollout is
+committed as soon as without a window, and a process killed outright loses at most the spans its running
+rollouts ended in the last ``window`` seconds (and the transaction in progress). ``window=0`` (the
+default): every batch is written as it comes.
+
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
 cannot bind) is not retried: it is split in halves, down to the ops that fail on their own, which go
@@ -24,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..diagnostics import count, report_failure
+from ..errors import StoreClosedError
 
 
 class _Marker:
@@ -51,8 +60,15 @@ class BackgroundWriter:
         linger: float = 0.002,
         quarantine: Callable[[Any, BaseException], None] | None = None,
         is_record_error: Callable[[BaseException], bool] | None = None,
+        window: float = 0.0,
+        may_wait: Callable[[Any], bool] | None = None,
     ) -> None:
         self._apply = apply
+        # The commit window (module doc): ops ``may_wait`` accepts wait up to ``window`` s for company.
+        self._may_wait = may_wait if window > 0 else None
+        self._window = window
+        self._urgent = False  # the buffer holds an op that may not wait, or a flush marker
+        self._since = 0.0  # when the buffer's oldest op was put (monotonic)
         self._quarantine = quarantine
         self._is_record_error = is_record_error or (lambda exc: False)
         self._linger = linger
@@ -80,10 +96,22 @@ class BackgroundWriter:
                 while len(self._buf) >= self._maxsize and not self._closed:
                     self._not_full.wait()
             if self._closed:
-                raise RuntimeError(f"{self._name} is closed")
+                raise StoreClosedError(self._closed_message())
             self._buf.append(op)
-            if len(self._buf) == 1:
-                self._not_empty.notify()
+            may_wait = self._may_wait
+            if may_wait is None:
+                if len(self._buf) == 1:
+                    self._not_empty.notify()
+            else:
+                first = len(self._buf) == 1
+                if first:  # the window opens
+                    self._since = time.monotonic()
+                if not self._urgent and (type(op) is _Marker or not may_wait(op)
+                                         or len(self._buf) >= self._linger_below):
+                    self._urgent = True  # written at once, with everything before it
+                    self._not_empty.notify()
+                elif first:
+                    self._not_empty.notify()
 
     def put_many(self, ops: list[Any]) -> None:
         """Queue ``ops`` together (one wait for room: a batch may overshoot ``maxsize`` once)."""
@@ -92,11 +120,18 @@ class BackgroundWriter:
                 count("writer_backpressure_waits")
                 self._not_full.wait()
             if self._closed:
-                raise RuntimeError(f"{self._name} is closed")
+                raise StoreClosedError(self._closed_message())
             was_empty = not self._buf
             self._buf.extend(ops)
-            if was_empty:
+            if self._may_wait is not None and not self._urgent:
+                self._urgent = True  # an ingest's batch is written at once
                 self._not_empty.notify()
+            elif was_empty:
+                self._not_empty.notify()
+
+    def _closed_message(self) -> str:
+        return (f"{self._name} is closed: its store was closed, so nothing more can be written through it; "
+                "open the store again (open_store, or configure) to write")
 
     def flush(self, timeout: float | None = None) -> bool:
         """True once everything put before is applied or spilled (False on timeout)."""
@@ -147,12 +182,19 @@ class BackgroundWriter:
                             break
                     else:
                         self._not_empty.wait()
+                while self._buf and not self._urgent and not self._closed and self._may_wait is not None:
+                    # only ops that may wait: until the window closes, or an urgent op or a full batch comes
+                    left = self._since + self._window - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._not_empty.wait(left)
                 if not self._buf:
                     if self._closed:
                         return
                     batch = []
                 else:
                     batch, self._buf = self._buf, []
+                    self._urgent = False
                     self._not_full.notify_all()
             if not batch:
                 self._try_replay()
