@@ -42,6 +42,10 @@ MOVED = {
         "agent_reference": "lightning_rl.trainer_bridge.agent_loading",
         "load_agent": "lightning_rl.trainer_bridge.agent_loading",
     },
+    "lightning_rl.trainer_bridge.sources": {
+        "StepBatch": "interface", "SampleSource": "interface", "read_groups": "interface", "LiveGroups": "groups",
+        "StoredGroups": "groups", "ProductionStream": "production",
+    },
 }
 
 
