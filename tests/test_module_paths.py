@@ -42,6 +42,8 @@ MOVED = {
         "agent_reference": "lightning_rl.trainer_bridge.agent_loading",
         "load_agent": "lightning_rl.trainer_bridge.agent_loading",
     },
+    "lightning_rl.capture.exchange": dict.fromkeys(["HOSTED", "takes_token_fields", "Server", "resend_without_token_fields",
+                                                   "refused_token_fields"], "lightning_rl.capture.token_fields"),
     "lightning_rl.trainer_bridge.sources": {
         "StepBatch": "interface", "SampleSource": "interface", "read_groups": "interface", "LiveGroups": "groups",
         "StoredGroups": "groups", "ProductionStream": "production",
