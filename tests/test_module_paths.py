@@ -44,6 +44,8 @@ MOVED = {
     },
     "lightning_rl.capture.exchange": dict.fromkeys(["HOSTED", "takes_token_fields", "Server", "resend_without_token_fields",
                                                    "refused_token_fields"], "lightning_rl.capture.token_fields"),
+    "lightning_rl.adapters.http_clients": dict.fromkeys(["endpoint_of", "instrumented_request", "seen", "done",
+                                                        "failed"], "lightning_rl.adapters.http_bypass"),
     "lightning_rl.trainer_bridge.sources": {
         "StepBatch": "interface", "SampleSource": "interface", "read_groups": "interface", "LiveGroups": "groups",
         "StoredGroups": "groups", "ProductionStream": "production",
