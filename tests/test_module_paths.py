@@ -66,3 +66,13 @@ def test_the_continuous_trainer_keeps_its_going_live_decisions():
 
     assert issubclass(ContinuousTrainer, GoingLive)
     assert not {"_judge", "_start_canary", "_watch", "_follow_live"} - set(dir(ContinuousTrainer))
+
+
+def test_the_http_store_answers_its_reads_and_queue_by_request_not_by_the_kit():
+    from lightning_rl.store.http.client import HttpStore
+    from lightning_rl.store.http.queries import ServerQueries
+    from lightning_rl.store.http.server_queue import ServerQueue
+
+    for base in (ServerQueries, ServerQueue):
+        methods = [name for name, value in vars(base).items() if callable(value) and not name.startswith("__")]
+        assert methods and all(getattr(HttpStore, name) is getattr(base, name) for name in methods), base

@@ -41,36 +41,24 @@ through ``rollout_data`` and counted here (``store/scan.py``).
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import os
 import threading
 import time
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
 
-from ...errors import ConfigurationError, RolloutNotFoundError, StoreError, TaskNotSerializableError
-from ...records import (
-    PolicyDecision,
-    PolicyRecord,
-    QuarantinedRecord,
-    QueueEntry,
-    Reward,
-    RewardSource,
-    Rollout,
-    RolloutPage,
-    RolloutQuery,
-    RolloutStatus,
-    Span,
-)
+from ...errors import ConfigurationError, RolloutNotFoundError, StoreError
+from ...records import Reward, RewardSource
 from ...settings import Settings, spill_dir, store_token
-from .. import checks, scan, wire
+from .. import checks, wire
+from .queries import ServerQueries
+from .server_queue import ServerQueue
 from .writes import PROBE_EVERY, REPLAY, BatchSender, ServerList, _NoStoreServer, _Unreachable, server_urls
 from ..erasure import erase_from_spill_files, erased, rollout_id_list
 from ..kit.base import KitStore
@@ -89,10 +77,11 @@ def _default_spill_dir(urls: list[str]) -> Path:
     return Path.home() / ".cache" / "lightning-rl" / "spill" / name
 
 
-class HttpStore(KitStore):
+class HttpStore(ServerQueries, ServerQueue, KitStore):
     """The client of store servers (every protocol of ``store/protocols.py``): ``url`` is one server, or
     several serving one store (a list, or one string with commas), to fail over (module doc). The sink
-    funnel and ingest are the kit's (``kit/base.py``); what it writes is kept once sent or spilled."""
+    funnel and ingest are the kit's (``kit/base.py``); what it writes is kept once sent or spilled. Its reads and
+    policy log are ``queries.py``'s, its task queue ``server_queue.py``'s."""
 
     _confirmed_in_database = frozenset()
 
@@ -223,68 +212,6 @@ class HttpStore(KitStore):
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    # -- RolloutReader ------------------------------------------------------------------------------
-    def get_rollout(self, rollout_id: str) -> Rollout:
-        data = self._request("GET", f"/rollouts/{_quote(rollout_id)}", not_found_ok=True)
-        if data is None:
-            raise checks.not_found(rollout_id, self.url)
-        return Rollout.model_validate(data)
-
-    def rollouts(self, *, mode: str | None = None, status: str | RolloutStatus | None = None,
-                 since: float | dt.datetime | None = None, min_policy_version: int | None = None,
-                 limit: int | None = None, newest_first: bool = False) -> list[Rollout]:
-        mode, status, since = checks.rollout_filters(mode, status, since, min_policy_version, limit)
-        data = self._request("GET", "/rollouts", params=dict(
-            mode=mode, status=status, since=since, min_policy_version=min_policy_version, limit=limit,
-            newest_first="true" if newest_first else None))
-        return wire.ROLLOUTS.validate_python(data)
-
-    def rollout_page(self, query: RolloutQuery | None = None, **filters: Any) -> RolloutPage:
-        query = checks.rollout_query(query, filters)
-        return RolloutPage.model_validate(self._request("POST", "/rollouts/page", json=query.model_dump(mode="json")))
-
-    def spans(self, rollout_id: str) -> list[Span]:
-        data = self._request("GET", f"/rollouts/{_quote(rollout_id)}/spans", not_found_ok=True)
-        if data is None:
-            raise checks.not_found(rollout_id, self.url)
-        return wire.SPANS.validate_python(data)
-
-    def rewards(self, rollout_id: str) -> list[Reward]:
-        data = self._request("GET", f"/rollouts/{_quote(rollout_id)}/rewards", not_found_ok=True)
-        if data is None:
-            raise checks.not_found(rollout_id, self.url)
-        return wire.REWARDS.validate_python(data)
-
-    def rollout_data(self, rollout_ids: Sequence[str]) -> Iterator[tuple[Rollout, list[Span], list[Reward]]]:
-        """Asked for in batches of 200 (one request each)."""
-        ids = list(rollout_ids)
-        for start in range(0, len(ids), 200):
-            data = self._request("POST", "/rollout_data", json={"rollout_ids": ids[start:start + 200]})
-            for item in wire.ROLLOUT_DATA.validate_python(data):
-                yield item.rollout, item.spans, item.rewards
-
-    # -- RolloutIndex -------------------------------------------------------------------------------
-    def existing_rollout_ids(self, rollout_ids: Iterable[str]) -> set[str]:
-        return {rid for rid in rollout_ids
-                if self._request("GET", f"/rollouts/{_quote(rid)}", not_found_ok=True) is not None}
-
-    def rollout_ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
-        return self._request("GET", "/rollout_ids", params={"prefix": prefix, "limit": limit})
-
-    def llm_call_counts(self, rollout_ids: Sequence[str]) -> dict[str, int]:
-        return scan.llm_call_counts(self, rollout_ids)
-
-    def last_activity(self, rollout_id: str) -> float | None:
-        try:
-            ((_, spans, rewards),) = self.rollout_data([rollout_id])
-        except RolloutNotFoundError:  # nothing reached a rollout that is not there
-            return None
-        return scan.last_activity(spans, rewards)
-
-    def quarantined(self, *, limit: int = 1000) -> list[QuarantinedRecord]:
-        checks.check_count(limit, "limit")
-        return [QuarantinedRecord.model_validate(q) for q in self._request("GET", "/quarantine", params={"limit": limit})]
-
     # -- erasure ------------------------------------------------------------------------------------
     def delete_rollouts(self, rollout_ids: Iterable[str], *, full: bool = False) -> int:
         """What this process still holds for them goes first (sent, or its lines taken out of the spill
@@ -333,129 +260,6 @@ class HttpStore(KitStore):
         data = wire.RewardedSince.model_validate(
             self._request("GET", "/rewards", params=dict(after=after, name=name, limit=limit)))
         return data.rollout_ids, data.position
-
-    # -- PolicyLog ----------------------------------------------------------------------------------
-    def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
-                      time: float | None = None, trained_on: Sequence[str] | None = None,
-                      served_as: str | None = None) -> PolicyRecord:
-        record = checks.policy_record(served_name, version, adapter=adapter, time=time, trained_on=trained_on,
-                                      served_as=served_as)
-        # served_as only when set: a store server from before it takes the publish as it was
-        self._request("POST", "/policies", json=record.model_dump(
-            mode="json", exclude={"schema_version"} | ({"served_as"} if record.served_as is None else set())))
-        return record
-
-    def policies(self, served_name: str | None = None) -> list[PolicyRecord]:
-        return [PolicyRecord.model_validate(x) for x in self._request("GET", "/policies",
-                                                                      params=dict(served_name=served_name))]
-
-    def latest_policies(self) -> dict[str, PolicyRecord]:
-        found = [PolicyRecord.model_validate(x) for x in self._request("GET", "/policies", params=dict(latest="true"))]
-        return {p.served_name: p for p in found}
-
-    def record_decision(self, served_name: str, version: int, decision: str, *, live_version: int | None = None,
-                        adapter: str | None = None, figures: Mapping[str, Any] | None = None,
-                        reason: str | None = None, time: float | None = None) -> PolicyDecision:
-        record = checks.decision_record(served_name, version, decision, live_version=live_version, adapter=adapter,
-                                        figures=figures, reason=reason, time=time)
-        self._request("POST", "/decisions", json=record.model_dump(mode="json", exclude={"schema_version"}),
-                      older=self._older_decisions())
-        return record
-
-    def decisions(self, served_name: str | None = None) -> list[PolicyDecision]:
-        return [PolicyDecision.model_validate(x) for x in self._request(
-            "GET", "/decisions", params=dict(served_name=served_name), older=self._older_decisions())]
-
-    def latest_decisions(self) -> dict[str, PolicyDecision]:
-        found = [PolicyDecision.model_validate(x) for x in self._request(
-            "GET", "/decisions", params=dict(latest="true"), older=self._older_decisions())]
-        return {d.served_name: d for d in found}
-
-    def _older_decisions(self) -> str:
-        return (f"the store server {self.url} has no policy decisions endpoint ({wire.API_PREFIX}/decisions): it runs "
-                "a lightning-rl older than this client. Upgrade lightning-rl where it runs (pip install -U "
-                "lightning-rl) and restart `lightning-rl store serve`")
-
-    # -- TaskQueue (the server's) -------------------------------------------------------------------
-    def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None, once: bool = False,
-                overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
-        """Without a ``group_id`` the client makes one and sends the request with ``once``, so that a retry
-        after a lost answer does not queue the task twice."""
-        try:
-            orjson.dumps(task)
-        except TypeError as exc:
-            raise TaskNotSerializableError(f"task {task!r:.80} cannot be sent to the store server as JSON ({exc}); "
-                                           "use dicts, lists, strings and numbers") from None
-        if group_id is None:
-            group_id, once = uuid.uuid4().hex, True
-        body = dict(task=task, n=n, mode=mode, max_tries=max_tries, group_id=group_id, once=once)
-        if overrides is not None:  # sent only when given: a store server older than overrides takes the rest
-            body["overrides"] = checks.check_overrides(overrides)
-        data = self._request("POST", "/queue/enqueue", json=body)
-        return wire.QUEUE_ENTRIES.validate_python(data)
-
-    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
-              key: str | None = None, wait: float = 0.0) -> list[QueueEntry]:
-        """Every call carries a key (a fresh one unless given), which its retries reuse, so an answer lost
-        on the way back (a server killed after its commit) strands nothing. ``wait``: the server holds the
-        request until a try can be leased (on its clock, not this machine's), each request at most
-        ``wire.MAX_LEASE_WAIT`` seconds and under this client's timeout; longer waits are several requests."""
-        from ..task_queue import check_lease, check_wait
-
-        check_lease(lease_seconds, limit)
-        deadline = time.monotonic() + check_wait(wait)
-        key = key or uuid.uuid4().hex
-        self.flush()  # an expired try is marked timed_out by the server; our own records go first
-        while True:
-            left = deadline - time.monotonic()
-            body: dict[str, Any] = dict(runner=runner, lease_seconds=lease_seconds, limit=limit, key=key)
-            if left > 0:  # sent only when waiting: a store server from before long polls takes the rest
-                body["wait"] = round(min(left, wire.MAX_LEASE_WAIT, max(self._timeout.read - 2.0, 0.5)), 3)
-            entries = wire.QUEUE_ENTRIES.validate_python(self._request("POST", "/queue/lease", json=body))
-            if entries or deadline - time.monotonic() <= 0:
-                return entries
-
-    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
-        return self._request("POST", "/queue/heartbeat",
-                             json=dict(queue_id=queue_id, runner=runner, lease_seconds=lease_seconds))["ok"]
-
-    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
-        """Once this process's records are on the server: an outcome never overtakes the rollout it reports
-        on. While a spilled backlog cannot be written back (for ``retry_for`` seconds) it raises
-        :class:`StoreError`, and the try's lease runs on."""
-        self._drain(self._retry_for)
-        return self._request("POST", "/queue/complete",
-                             json=dict(queue_id=queue_id, runner=runner, outcome=RolloutStatus(outcome).value))["ok"]
-
-    def _drain(self, timeout: float) -> None:
-        """Wait until everything written so far is on the server, spilled backlog included."""
-        deadline = time.monotonic() + timeout
-        self.flush(timeout)
-        while self._sender.spill.files:
-            if time.monotonic() >= deadline:
-                raise StoreError(f"{len(self._sender.spill.files)} spill file(s) of this process are not on the store server "
-                                 f"{self.url} yet; an outcome is only recorded after the records it reports on")
-            try:
-                self._writer.put(REPLAY)
-            except RuntimeError:  # closed
-                break
-            self.flush(max(0.0, deadline - time.monotonic()))
-            if self._sender.spill.files:
-                time.sleep(0.1)
-
-    def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
-        data = self._request("POST", "/queue/entries", json={"group_ids": list(group_ids) if group_ids is not None else None})
-        return wire.QUEUE_ENTRIES.validate_python(data)
-
-    def expire_rollout(self, entry: QueueEntry, reason: str) -> None:
-        """A plain finish: the server's queue keeps the rollouts of tries it expired itself final."""
-        self.finish_rollout(entry.rollout_id, RolloutStatus.TIMED_OUT, time.time(), reason)
-
-
-def _quote(rollout_id: str) -> str:
-    return quote(rollout_id, safe="")
-
 
 def _raise_for(resp: httpx.Response, url: str) -> None:
     try:
