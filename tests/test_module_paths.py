@@ -46,6 +46,8 @@ MOVED = {
                                                    "refused_token_fields"], "lightning_rl.capture.token_fields"),
     "lightning_rl.adapters.http_clients": dict.fromkeys(["endpoint_of", "instrumented_request", "seen", "done",
                                                         "failed"], "lightning_rl.adapters.http_bypass"),
+    "lightning_rl.store.postgres.store": dict.fromkeys(["DEFAULT_SCHEMA", "SCHEMES", "parse_url", "is_record_error"],
+                                                       "lightning_rl.store.postgres.connection"),
     "lightning_rl.trainer_bridge.sources": {
         "StepBatch": "interface", "SampleSource": "interface", "read_groups": "interface", "LiveGroups": "groups",
         "StoredGroups": "groups", "ProductionStream": "production",
@@ -68,11 +70,13 @@ def test_the_continuous_trainer_keeps_its_going_live_decisions():
     assert not {"_judge", "_start_canary", "_watch", "_follow_live"} - set(dir(ContinuousTrainer))
 
 
-def test_the_http_store_answers_its_reads_and_queue_by_request_not_by_the_kit():
+def test_a_backend_answers_with_its_own_methods_not_the_kits():
     from lightning_rl.store.http.client import HttpStore
     from lightning_rl.store.http.queries import ServerQueries
     from lightning_rl.store.http.server_queue import ServerQueue
+    from lightning_rl.store.postgres.queue_methods import PostgresQueue
+    from lightning_rl.store.postgres.store import PostgresStore
 
-    for base in (ServerQueries, ServerQueue):
+    for store, base in ((HttpStore, ServerQueries), (HttpStore, ServerQueue), (PostgresStore, PostgresQueue)):
         methods = [name for name, value in vars(base).items() if callable(value) and not name.startswith("__")]
-        assert methods and all(getattr(HttpStore, name) is getattr(base, name) for name in methods), base
+        assert methods and all(getattr(store, name) is getattr(base, name) for name in methods), base

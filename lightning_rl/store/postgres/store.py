@@ -22,21 +22,17 @@ A password in the URL works (libpq also reads ``PGPASSWORD`` and ``~/.pgpass``);
 from __future__ import annotations
 
 import datetime as dt
-import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ...errors import ConfigurationError, MissingDependencyError, StoreError
+from ...errors import ConfigurationError, StoreError
 from ...records import (
     PolicyDecision,
     PolicyRecord,
     QuarantinedRecord,
-    QueueEntry,
     Reward,
     Rollout,
     RolloutPage,
@@ -44,10 +40,11 @@ from ...records import (
     RolloutStatus,
     Span,
 )
-from ...settings import Settings, spill_dir
+from ...settings import Settings
 from .. import checks, task_queue
 from . import queue as pgq
 from . import sql
+from .connection import DEFAULT_SCHEMA, SCHEMES, _psycopg, _spill_folder, is_record_error, parse_url
 from ..durable import DurableWrites
 from ..erasure import erased, rollout_id_list
 from .erasure import delete_postgres, vacuum_postgres
@@ -55,74 +52,18 @@ from ..spill import spill_files_in
 from ..kit.base import KitStore
 from ..lifecycle import track
 from ..ops import Op, Quarantine
-from .schema import LOCK_GROUPS, check_version, latest_version, migrate
-from ..uri import redacted
+from .queue_methods import PostgresQueue
+from .schema import check_version, latest_version, migrate
+
+#: ``DEFAULT_SCHEMA``, ``SCHEMES``, ``parse_url`` and ``is_record_error`` (``connection.py``) are imported from here too.
+__all__ = ["DEFAULT_SCHEMA", "PostgresStore", "SCHEMES", "is_record_error", "parse_url"]
 
 T = TypeVar("T")
-DEFAULT_SCHEMA = "lightning_rl"
-_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-SCHEMES = ("postgresql://", "postgres://")
 
 
-def _psycopg() -> tuple[Any, Any]:
-    try:
-        import psycopg
-        import psycopg_pool
-    except ImportError:
-        raise MissingDependencyError("a postgresql:// store needs psycopg 3; install it with: "
-                                     "pip install 'lightning-rl[postgres]'") from None
-    return psycopg, psycopg_pool
-
-
-def parse_url(url: str) -> tuple[str, str, str]:
-    """``(conninfo, schema, shown)``: the URL libpq connects with, the PostgreSQL schema of the store's
-    tables (``?schema=NAME``), and the URL as messages show it (no password)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("postgresql", "postgres") or not parts.path.strip("/"):
-        raise ConfigurationError(f"store URL {redacted(url)!r:.200} is not postgresql://USER@HOST:PORT/DATABASE")
-    try:
-        parts.port
-    except ValueError as exc:
-        raise ConfigurationError(f"store URL {redacted(url)!r:.200}: {exc}; write postgresql://USER@HOST:5432/DATABASE") \
-            from None
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    schema = next((v for k, v in query if k == "schema"), DEFAULT_SCHEMA)
-    if not _SCHEMA_NAME.fullmatch(schema):
-        raise ConfigurationError(f"schema={schema!r:.80} in the store URL is not a PostgreSQL name of lowercase letters, "
-                                 "digits and underscores, at most 63, starting with a letter or _; e.g. "
-                                 "?schema=lightning_rl")
-    rest = urlencode([(k, v) for k, v in query if k != "schema"])
-    conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, rest, ""))
-    host = parts.hostname or "localhost"
-    user = f"{parts.username}@" if parts.username else ""
-    shown = f"postgresql://{user}{host}{f':{parts.port}' if parts.port else ''}{parts.path}" + (
-        f"?schema={schema}" if schema != DEFAULT_SCHEMA else "")
-    return conninfo, schema, shown
-
-
-def _spill_folder(url: str, schema: str) -> Path:
-    configured = spill_dir()
-    if configured:
-        return Path(configured)
-    parts = urlsplit(url)
-    name = f"pg_{parts.hostname or 'localhost'}_{parts.port or 5432}_{parts.path.strip('/')}_{schema}"
-    return Path.home() / ".cache" / "lightning-rl" / "spill" / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-
-
-def is_record_error(exc: BaseException) -> bool:
-    """True when a write failed for the records themselves (a value PostgreSQL refuses, a constraint, text it
-    cannot encode); False when the database could not be written at all (unreachable, restarting, full, a
-    conflict between transactions): retried, then spilled."""
-    psycopg, _ = _psycopg()
-    if isinstance(exc, (psycopg.errors.DataError, psycopg.errors.IntegrityError)):
-        return True
-    if isinstance(exc, (psycopg.Error, OSError, MemoryError, StoreError)):  # StoreError: the writer's reconnect
-        return False
-    return True  # Python's own refusal of the values (an encoding error, a type it cannot adapt)
-
-
-class PostgresStore(KitStore):
-    """A store in a PostgreSQL database (module doc; the sink funnel and ingest are the kit's, ``kit/base.py``)."""
+class PostgresStore(PostgresQueue, KitStore):
+    """A store in a PostgreSQL database (module doc; the sink funnel and ingest are the kit's, ``kit/base.py``;
+    the task queue is ``queue_methods.py``'s)."""
 
     def __init__(self, url: str, *, queue_size: int | None = None, give_up_after: float = 30.0,
                  retry_for: float = 30.0, pool_size: int = 8, read_only: bool = False) -> None:
@@ -338,76 +279,6 @@ class PostgresStore(KitStore):
         checks.check_count(limit, "limit")
         rows = self._with(lambda conn: sql.rewards_after(conn, after, name, limit), what="rewarded_since")
         return list(dict.fromkeys(rid for _, rid in rows)), (rows[-1][0] if rows else after)
-
-    # -- TaskQueue (atomic in the database, across every process that opens it) -----------------------
-    def _queue(self, lock: str | None = None, group: str | None = None, notify: bool = False) -> task_queue.Txn:
-        """The queue's transactions, each on a view that locks as ``lock`` says (``sql.QueueView``);
-        ``group``: serialize with any other transaction queuing that group id; ``notify``: wake every
-        process's waiting leases at commit (``postgres/queue.py``)."""
-
-        def txn(fn: Callable[[Any], T]) -> T:
-            def run(conn: Any) -> T:
-                if group is not None:
-                    with conn.cursor() as cur:
-                        cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_GROUPS, group))
-                result = fn(sql.QueueView(conn, lock))
-                if notify:
-                    pgq.notify(conn, self.schema)
-                return result
-
-            return self._txn(run, what="the task queue")
-
-        return txn
-
-    def enqueue(self, task: Any, *, n: int = 1, mode: str = "train", max_tries: int = 3,
-                group_id: str | None = None, once: bool = False,
-                overrides: Mapping[str, Any] | None = None) -> list[QueueEntry]:
-        """As every store's. Without a ``group_id`` one is made and the call is ``once``: a retry after a lost
-        answer does not queue the task twice."""
-        if self._durable is None:
-            raise checks.read_only("enqueue", self.shown)
-        if group_id is None:
-            group_id, once = uuid.uuid4().hex, True
-        return task_queue.enqueue_in(self._queue(group=group_id if once else None, notify=True), task, n=n, mode=mode,
-                                     max_tries=max_tries, group_id=group_id, once=once, overrides=overrides)
-
-    def lease(self, runner: str, *, lease_seconds: float = 60.0, limit: int = 1,
-              key: str | None = None, wait: float = 0.0) -> list[QueueEntry]:
-        """As every store's, in one statement on the database's clock (``postgres/queue.py``); an expired try's
-        rollout is marked ``timed_out`` in the lease's own transaction (atomic with its retry: no process that
-        dies in between can leave it running). ``wait``: woken by the database's NOTIFY of an enqueue."""
-        task_queue.check_lease(lease_seconds, limit)
-        key = key or uuid.uuid4().hex
-
-        def lease_now() -> list[QueueEntry]:
-            return self._txn(lambda conn: pgq.lease(conn, self.schema, runner, lease_seconds, limit, key),
-                             what="the task queue")
-
-        if not wait:
-            return lease_now()
-        task_queue.check_wait(wait)
-        with self._listen_lock:
-            if self._listener is None and not self._closed:
-                self._listener = pgq.Listener(self._connect, self.schema, self._bell, self.shown)
-        return task_queue.lease_waiting(lease_now, wait, self._bell)
-
-    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
-        """Extends the lease from the database's clock, not this process's."""
-        task_queue.check_lease(lease_seconds, 1)
-
-        def beat(conn: Any) -> bool:
-            with conn.cursor() as cur:
-                cur.execute(pgq.HEARTBEAT, (float(lease_seconds), queue_id, runner))
-                return cur.rowcount > 0
-
-        return self._with(beat, what="the task queue")
-
-    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
-        self.flush()  # the records written so far go first
-        return task_queue.complete_in(self._queue("wait"), queue_id, runner, outcome)
-
-    def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
-        return task_queue.entries_in(self._queue(), group_ids)
 
     # -- PolicyLog ----------------------------------------------------------------------------------
     def record_policy(self, served_name: str, version: int, *, adapter: str | None = None,
