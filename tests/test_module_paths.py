@@ -48,6 +48,8 @@ MOVED = {
                                                         "failed"], "lightning_rl.adapters.http_bypass"),
     "lightning_rl.store.postgres.store": dict.fromkeys(["DEFAULT_SCHEMA", "SCHEMES", "parse_url", "is_record_error"],
                                                        "lightning_rl.store.postgres.connection"),
+    "lightning_rl.tracer.provider": dict.fromkeys(["CaptureProvider", "RolloutSpanProcessor", "otel_sdk_disabled"],
+                                                  "lightning_rl.tracer.processor"),
     "lightning_rl.trainer_bridge.sources": {
         "StepBatch": "interface", "SampleSource": "interface", "read_groups": "interface", "LiveGroups": "groups",
         "StoredGroups": "groups", "ProductionStream": "production",

@@ -55,7 +55,8 @@ from ..ops import Op, Quarantine
 from .queue_methods import PostgresQueue
 from .schema import check_version, latest_version, migrate
 
-#: ``DEFAULT_SCHEMA``, ``SCHEMES``, ``parse_url`` and ``is_record_error`` (``connection.py``) are imported from here too.
+#: ``DEFAULT_SCHEMA``, ``SCHEMES``, ``parse_url`` and ``is_record_error`` (``connection.py``) are imported from
+#: here too.
 __all__ = ["DEFAULT_SCHEMA", "PostgresStore", "SCHEMES", "is_record_error", "parse_url"]
 
 T = TypeVar("T")
