@@ -50,6 +50,7 @@ MOVED = {
                                                        "lightning_rl.store.postgres.connection"),
     "lightning_rl.tracer.provider": dict.fromkeys(["CaptureProvider", "RolloutSpanProcessor", "otel_sdk_disabled"],
                                                   "lightning_rl.tracer.processor"),
+    "lightning_rl.tracer.decorator": {"rollout_overrides": "lightning_rl.tracer.tasks"},
     "lightning_rl.trainer_bridge.sources": {
         "StepBatch": "interface", "SampleSource": "interface", "read_groups": "interface", "LiveGroups": "groups",
         "StoredGroups": "groups", "ProductionStream": "production",
