@@ -1,5 +1,6 @@
-"""SQLite's migrations are a registry keyed by schema version: 1, 2, 3, ... with no gap and no version twice
-(refused when registered, naming the number to use), and what each is titled is what a store records."""
+"""SQLite's (and PostgreSQL's) migrations are a registry keyed by schema version: 1, 2, 3, ... with no gap and
+no version twice (refused when registered, naming the number to use), and what each is titled is what a store
+records."""
 
 from __future__ import annotations
 
@@ -39,3 +40,26 @@ def test_a_new_store_records_each_migration_under_its_title(tmp_path):
     conn.close()
     assert rows == [(version, MIGRATIONS.trait(version, "title")) for version in range(1, latest_version() + 1)]
     assert rows[0] == (1, "initial: rollouts, spans, rewards")
+
+
+def test_postgresql_migrations_keep_the_same_rule_and_a_new_schema_records_their_titles(pg_url):
+    """The same kit rule (``store/kit/migrations.py``) for PostgreSQL, and what a fresh schema records."""
+    import psycopg
+
+    from lightning_rl.store import open_store
+    from lightning_rl.store.postgres import schema
+    from lightning_rl.store.postgres.connection import DEFAULT_SCHEMA
+
+    assert schema.MIGRATIONS.key is int and schema.MIGRATIONS.names() == list(range(1, schema.latest_version() + 1))
+    latest = schema.latest_version()
+    with pytest.raises(ConfigurationError, match=rf"PostgreSQL store migration {latest + 2} \('later'\) would leave "
+                                                 rf"a gap: the latest is {latest}; number it {latest + 1}"):
+        schema.migration(latest + 2, "later")
+    with pytest.raises(ConfigurationError, match=rf"PostgreSQL store migration 1 is registered already .*; number "
+                                                 rf"the new one {latest + 1}"):
+        schema.migration(1, "again")
+    open_store(pg_url).close()
+    with psycopg.connect(pg_url.split("?")[0]) as conn:
+        table = f'"{DEFAULT_SCHEMA}".{schema.MIGRATIONS_TABLE}'
+        rows = conn.execute(f"SELECT version, name FROM {table} ORDER BY version").fetchall()
+    assert rows == [(v, schema.MIGRATIONS.trait(v, "title")) for v in range(1, latest + 1)]

@@ -22,6 +22,7 @@ from typing import Any
 from ...diagnostics import logger
 from ...errors import NotAStoreError, SchemaTooNewError
 from ...registry import Registry
+from ..kit.migrations import add_migration, migration_registry
 
 MIGRATIONS_TABLE = "_lightning_rl_migrations"
 MARKER_TABLE = "_lightning_rl_store"
@@ -30,18 +31,19 @@ LOCK_MIGRATE = 0x4C524C00_00000001
 LOCK_REWARDS = 0x4C524C00_00000002
 LOCK_GROUPS = 0x4C524C03  # with the group id's hash: pg_advisory_xact_lock(int, int)
 
-_MIGRATIONS: Registry[Callable[[Any], None]] = Registry("PostgreSQL store migration")
-_NAMES: dict[int, str] = {}
+#: schema version -> ``fn(cursor)`` bringing a store from the version before to it; its ``title`` trait is what
+#: ``_lightning_rl_migrations`` records (``kit/migrations.py``: 1, 2, 3, ... with no gap, none twice)
+MIGRATIONS: Registry[Callable[[Any], None]] = migration_registry(
+    "PostgreSQL store migration", "lightning_rl/store/postgres/schema.py")
 
 
 def migration(version: int, name: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    """Register ``fn(cursor)`` as the migration to schema ``version``; returns it unchanged."""
-    _NAMES[version] = name
-    return _MIGRATIONS.register(str(version))
+    """Register ``fn(cursor)`` as the migration to schema ``version`` (the latest plus one); returns it unchanged."""
+    return add_migration(MIGRATIONS, version, name)
 
 
 def latest_version() -> int:
-    return max(_NAMES)
+    return max(MIGRATIONS.names())
 
 
 #: Text compared byte by byte, as SQLite's BINARY collation (module doc).
@@ -213,9 +215,10 @@ def migrate(conn: Any, schema: str, where: str) -> int:
             cur.execute(f"CREATE TABLE {MARKER_TABLE} (key text PRIMARY KEY, value text NOT NULL)")
             cur.execute(f"CREATE TABLE {MIGRATIONS_TABLE} (version integer PRIMARY KEY, name text NOT NULL, "
                         "applied_at double precision NOT NULL)")
-        for target in sorted(v for v in _NAMES if v > found):
-            _MIGRATIONS.get(str(target))(cur)
-            cur.execute(f"INSERT INTO {MIGRATIONS_TABLE} VALUES (%s, %s, %s)", (target, _NAMES[target], time.time()))
+        for target in (v for v in MIGRATIONS.names() if v > found):
+            MIGRATIONS.get(target)(cur)
+            cur.execute(f"INSERT INTO {MIGRATIONS_TABLE} VALUES (%s, %s, %s)",
+                        (target, MIGRATIONS.trait(target, "title"), time.time()))
         cur.execute(f"INSERT INTO {MARKER_TABLE} VALUES ('schema_version', %s) "
                     "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(latest),))
     if found > 0:

@@ -20,8 +20,9 @@ import orjson
 import sqlite_utils
 
 from ...diagnostics import logger
-from ...errors import ConfigurationError, NotAStoreError, SchemaTooNewError
+from ...errors import NotAStoreError, SchemaTooNewError
 from ...registry import Registry
+from ..kit.migrations import add_migration, migration_registry
 
 APPLICATION_ID = 0x4C524C31  # "LRL1"
 MIGRATIONS_TABLE = "_lightning_rl_migrations"
@@ -29,23 +30,13 @@ MIGRATIONS_TABLE = "_lightning_rl_migrations"
 Migration = Callable[[sqlite_utils.Database], None]
 #: schema version -> the function that brings a store from the version before to it; its ``title`` trait is
 #: what ``_lightning_rl_migrations`` records
-MIGRATIONS: Registry[Migration] = Registry(
-    "SQLite store migration", key=int, traits={"title": ""},
-    hint="add the next one with @migration(version, title) in lightning_rl/store/sqlite/migrations.py")
+MIGRATIONS: Registry[Migration] = migration_registry("SQLite store migration", "lightning_rl/store/sqlite/migrations.py")
 
 
 def migration(version: int, name: str) -> Callable[[Migration], Migration]:
     """Register ``fn`` as the migration to schema ``version`` (the latest plus one), titled ``name``.
-    Returns ``fn`` unchanged."""
-    register = MIGRATIONS.register(version, title=name)  # an integer version (refused otherwise)
-    if version in MIGRATIONS:  # the registry refuses it too; said here with what the next number is
-        raise ConfigurationError(f"SQLite store migration {version} is registered already "
-                                 f"({MIGRATIONS.trait(version, 'title')!r}); number the new one {latest_version() + 1}")
-    expected = latest_version() + 1 if len(MIGRATIONS) else 1
-    if version != expected:
-        raise ConfigurationError(f"SQLite store migration {version} ({name!r}) would leave a gap: the latest is "
-                                 f"{expected - 1}; number it {expected}")
-    return register
+    Returns ``fn`` unchanged (``kit/migrations.py``: a gap or a version twice is refused)."""
+    return add_migration(MIGRATIONS, version, name)
 
 
 def latest_version() -> int:
