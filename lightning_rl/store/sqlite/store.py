@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ...diagnostics import count, report_failure
-from ...errors import ConfigurationError, StoreError
+from ...errors import ConfigurationError, StoreClosedError, StoreError
 from ...records import (
     PolicyDecision,
     PolicyRecord,
@@ -184,15 +184,20 @@ class SQLiteStore(KitStore):
         if self._closed:
             return
         self._closed = True
-        if self._writer is None:  # read-only
+        if self._writer is not None:
+            self._durable.close()  # what is queued, and one last try of the backlog (what stays is adopted later)
+            self._wconn.close()
+        # Each shared connection is closed under its lock, never under a query another thread runs on it (that
+        # crashed the process: the tracer's policy refresh reads from its own thread), and is replaced by one
+        # that says the store is closed.
+        closed = _ClosedConnection(self.path)
+        with self._rlock:
             self._rconn.close()
-            return
-        self._durable.close()  # what is queued, and one last try of the backlog (what stays is adopted later)
-        for conn in (self._wconn, self._rconn, self._qconn):
-            try:
-                conn.close()
-            except Exception:
-                pass
+            self._rconn = closed
+        with self._qlock:
+            if self._qconn is not None:
+                self._qconn.close()
+                self._qconn = closed
 
     def _after_fork(self) -> None:
         """In a forked child: fresh connections and writer; the parent writes what it had queued."""
@@ -345,3 +350,14 @@ class SQLiteStore(KitStore):
     def latest_decisions(self) -> dict[str, PolicyDecision]:
         with self._rlock:
             return {d.served_name: d for d in sql.query_decisions(self._rconn, None, latest=True)}
+
+
+class _ClosedConnection:
+    """Where a closed store's connections were: any use raises ``StoreClosedError``."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def __getattr__(self, name: str) -> Any:
+        raise StoreClosedError(f"the SQLite store {self._path!r} is closed; open it again (open_store) to read or "
+                               "write it")
