@@ -12,7 +12,7 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres screenshots model test test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres screenshots model test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
 all: venv venv-vllm model node-deps browser postgres
 
@@ -112,12 +112,21 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
-test: all venv-verl venv-frameworks venv-adk venv-verl-e2e
+test: disk-check all venv-verl venv-frameworks venv-adk venv-verl-e2e
 	$(PY) -m pytest -q
 	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
 	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
 	$(ADK_VENV)/bin/python -m pytest -q tests/adapters/test_google_adk_vllm.py
 	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
+
+# A full run needs about 14 GB for the venvs and the model and about 2 GB under $TMPDIR while it runs; a full disk
+# fails tests far from the cause (a CI run once died of ENOSPC in tmp_path), so say so first.
+disk-check:
+	@for d in . "$${TMPDIR:-/tmp}"; do \
+	  free=$$(df -Pk "$$d" | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	  if [ "$$free" -lt 4 ]; then echo "make test: only $$free GB free on $$d (df -h $$d); a run needs about 2 GB under TMPDIR beyond the venvs (about 14 GB): free some space first" >&2; \
+	  else echo "make test: $$free GB free on $$d"; fi; \
+	done
 
 # verl's main_ppo (V1, sync) for 2 steps on CPU through `lightning-rl train verl`, then its checkpoint through the
 # gate to a served vLLM (docs/verl.md, "Run on this machine"); make test runs it too.

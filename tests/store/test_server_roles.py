@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -316,7 +317,8 @@ def test_the_commands_work_with_the_role_the_docs_name_and_say_which_role_otherw
         for args in reads:
             ok = run(minted["reader"].token, *args)
             read = ok.exit_code == 0 or "the export matched no conversation" in ok.output  # (the agent calls no LLM)
-            assert read and "403" not in ok.output, (args, ok.output)
+            # a refusal says HTTP 403 and the role it needs (the server's port or a rollout id may hold "403")
+            assert read and not re.search(r"\b403\b|needs an? \w+ token", ok.output), (args, ok.output)
             refused = run(minted["runner"].token, *args)
             assert refused.exit_code == 1 and refused.output.count("\n") == 1, (args, refused.output)
             assert "needs a reader token" in refused.output and "this token is a runner token" in refused.output

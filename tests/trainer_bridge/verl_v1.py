@@ -3,7 +3,9 @@ agent-loop worker, its replay buffer and the trainer step's own advantage and me
 
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -39,8 +41,10 @@ def within(seconds: float, fn, *args, **kwargs):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
-    if thread.is_alive():
-        pytest.fail(f"{getattr(fn, '__name__', fn)} did not finish within {seconds} s")
+    if thread.is_alive():  # where it waits, so that a hang seen once in CI says what it waited for
+        frame = sys._current_frames().get(thread.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+        pytest.fail(f"{getattr(fn, '__name__', fn)} did not finish within {seconds} s; it waits at:\n{stack}")
     if "error" in box:
         raise box["error"]
     return box.get("value")
