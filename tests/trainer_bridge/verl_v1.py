@@ -3,6 +3,8 @@ agent-loop worker, its replay buffer and the trainer step's own advantage and me
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import sys
 import threading
 import traceback
@@ -29,7 +31,25 @@ def transfer_queue():
 
 def within(seconds: float, fn, *args, **kwargs):
     """``fn``'s result, or a test failure after ``seconds``: verl's replay buffer and TransferQueue calls wait
-    without a limit, and a test must fail, not hang, when what they wait for never comes."""
+    without a limit, and a test must fail, not hang, when what they wait for never comes.
+
+    ``within(s, asyncio.run, coro)`` runs the coroutine on one event loop that lives as long as the process,
+    as verl's agent-loop worker (a Ray actor) runs every prompt on its one loop. A new loop per prompt, as
+    ``asyncio.run`` makes, is not what TransferQueue's client expects (its socket pool keeps sockets per
+    loop and sweeps a closed loop's): on such loops one controller request in about four runs of
+    ``test_verls_v1_worker_runs_our_loop...`` was never answered and the test hung (2026-11-27). At the
+    limit the failure shows where every thread waits and, for a coroutine, where each task of the loop is
+    suspended."""
+    if fn is asyncio.run:
+        (coro,) = args
+        loop = _worker_loop()
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            return future.result(seconds)
+        except concurrent.futures.TimeoutError:
+            waits = _waits(None, [loop])
+            future.cancel()  # not left running on the loop the next test uses
+            pytest.fail(f"{coro!r} did not finish within {seconds} s\n{waits}")
     box: dict = {}
 
     def run():
@@ -41,13 +61,51 @@ def within(seconds: float, fn, *args, **kwargs):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
-    if thread.is_alive():  # where it waits, so that a hang seen once in CI says what it waited for
-        frame = sys._current_frames().get(thread.ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
-        pytest.fail(f"{getattr(fn, '__name__', fn)} did not finish within {seconds} s; it waits at:\n{stack}")
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} did not finish within {seconds} s\n{_waits(thread, [])}")
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+_LOOP: list = []
+
+
+def _worker_loop() -> asyncio.AbstractEventLoop:
+    """The process's one loop for verl's worker coroutines, run by a daemon thread."""
+    if not _LOOP:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="verl-worker-loop", daemon=True).start()
+        _LOOP.append(loop)
+    return _LOOP[0]
+
+
+def _waits(thread: threading.Thread | None, loops: list) -> str:
+    """Where each task of ``loops`` is suspended and where each thread of the process waits."""
+    out = []
+    for loop in loops:
+        for _ in range(3):  # the set may change while it is read
+            try:
+                tasks = list(asyncio.all_tasks(loop))
+                break
+            except RuntimeError:
+                tasks = []
+        for task in tasks:
+            chain, coro = [], task.get_coro()
+            while coro is not None and len(chain) < 30:  # the await chain, outermost first
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    chain.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            out.append(f"task {task.get_name()}:\n{''.join(chain) or '  (done)'}")
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        mark = " (the one waited for)" if thread is not None and ident == thread.ident else ""
+        stack = "".join(traceback.format_list(traceback.extract_stack(frame)[-8:]))
+        out.append(f"thread {names.get(ident, ident)}{mark}:\n{stack}")
+    return "\n".join(out)
 
 
 def compose_config(db, *, prompt_length: int, response_length: int, n: int, agent: str, **lightning):
