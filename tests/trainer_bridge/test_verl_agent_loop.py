@@ -6,7 +6,9 @@ queue by a runner elsewhere (``external``)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import warnings
 
 import pytest
 
@@ -19,7 +21,8 @@ import lightning_rl as lrl  # noqa: E402
 from lightning_rl.tracer import tracing  # noqa: E402
 
 from ..conftest import ensure_tiny_model  # noqa: E402
-from .verl_v1 import compose_config, train_step, transfer_queue, v1_worker, within  # noqa: E402,F401 - a fixture
+from .verl_v1 import (TransferQueueNoReply, compose_config, train_step, transfer_queue, v1_worker,  # noqa: E402,F401
+                      within)  # (transfer_queue: a fixture)
 
 VERL_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
@@ -61,13 +64,16 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
     assert [s.attributes["gen_ai.request.top_p"] for s in spans] == [0.95, 0.95]
 
 
-def _run_v1_prompt(config, worker, uid, task, global_steps):
-    """What verl's V1 worker does for one dataset row: ``_run_prompt`` (n sessions of the registered loop)."""
+def _run_v1_prompt(config, worker, uid, task, global_steps) -> str:
+    """What verl's V1 worker does for one dataset row: ``_run_prompt`` (n sessions of the registered loop).
+    Returns the row's uid: ``uid``, or ``uid-again`` when TransferQueue's controller left a request of the
+    first try unanswered (``TransferQueueNoReply``, not ours: said on stderr and as a warning, then run once
+    more under a new uid; a second such wait fails the test)."""
     from verl.experimental.agent_loop import get_trajectory_info
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ  # noqa: F401 - verl's worker module
     import transfer_queue as tq
 
-    async def go():
+    async def go(uid):
         await tq.async_kv_put(key=uid, partition_id="train",
                               tag={"is_prompt": True, "status": "pending", "global_steps": global_steps})
         (trajectory,) = await get_trajectory_info(global_steps, [0], False)
@@ -76,7 +82,15 @@ def _run_v1_prompt(config, worker, uid, task, global_steps):
                   "extra_info": {"task_json": __import__("json").dumps(task)}}
         await worker._run_prompt(prompt, dict(VERL_SAMPLING), trajectory=trajectory)
 
-    within(300, asyncio.run, go())
+    try:
+        within(120, asyncio.run, go(uid))
+        return uid
+    except TransferQueueNoReply as exc:
+        message = f"verl's worker ran {uid!r} again as {uid}-again: {exc}"
+        print(message, file=sys.stderr)
+        warnings.warn(message, stacklevel=2)
+    within(120, asyncio.run, go(f"{uid}-again"))
+    return f"{uid}-again"
 
 
 def test_verls_v1_worker_runs_our_loop_and_trains_every_segment_with_the_published_version(vllm_url, tmp_path,
@@ -89,23 +103,23 @@ def test_verls_v1_worker_runs_our_loop_and_trains_every_segment_with_the_publish
     store.record_policy("tiny", 3)  # what verl_trainer records at the weight sync before this step
     tracing.reset_policy_versions()
     worker = v1_worker(config)
-    _run_v1_prompt(config, worker, "u1", {"question": "What is 12+30?"}, global_steps=4)
+    uid = _run_v1_prompt(config, worker, "u1", {"question": "What is 12+30?"}, global_steps=4)
     batch, metrics, by_key = train_step(transfer_queue, config, uids=1, global_steps=4)
-    assert sorted(batch.keys) == ["u1_0_0", "u1_0_1", "u1_1_0", "u1_1_1"]  # 2 sessions x 2 segments
+    assert sorted(batch.keys) == [f"{uid}_0_0", f"{uid}_0_1", f"{uid}_1_0", f"{uid}_1_1"]  # 2 sessions x 2 segments
     data = transfer_queue.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["extra_fields",
                                                                                             "prompts", "responses"])
     rows = dict(zip(batch.keys, zip(data["extra_fields"], data["prompts"], data["responses"])))
     for session in (0, 1):
-        extra, prompt, response = rows[f"u1_{session}_1"]
+        extra, prompt, response = rows[f"{uid}_{session}_1"]
         traj = lrl.trajectory(store, extra["rollout_id"])
-        assert traj.group_id == "u1" and len(traj.llm_calls) == 2
+        assert traj.group_id == uid and len(traj.llm_calls) == 2
         assert prompt.tolist() == traj.llm_calls[1].prompt_token_ids  # the second segment: its own prompt
         assert response.tolist() == traj.llm_calls[1].response_token_ids
         assert (extra["min_global_steps"], extra["max_global_steps"], extra["version_source"]) == (3, 3, "calls")
-        assert rows[f"u1_{session}_0"][0]["segment"] == 0 and extra["segment"] == 1
+        assert rows[f"{uid}_{session}_0"][0]["segment"] == 0 and extra["segment"] == 1
     assert metrics["training/off_policy/trajectory_staleness/max"] == 0
     assert all(int(m.sum()) > 0 for m, _ in by_key.values())  # every segment trained
-    transfer_queue.kv_clear(keys=[*batch.keys, "u1"], partition_id="train")
+    transfer_queue.kv_clear(keys=[*batch.keys, uid], partition_id="train")
 
 
 def test_external_rollouts_run_by_a_runner_elsewhere_feed_verls_v1_worker(vllm_url, tmp_path, transfer_queue):
@@ -122,14 +136,14 @@ def test_external_rollouts_run_by_a_runner_elsewhere_feed_verls_v1_worker(vllm_u
     served = threading.Thread(target=runner.serve, kwargs={"idle_exit": 60}, daemon=True)
     served.start()
     try:
-        _run_v1_prompt(config, v1_worker(config), "ext", {"question": "What is 1+2?"}, global_steps=1)
+        uid = _run_v1_prompt(config, v1_worker(config), "ext", {"question": "What is 1+2?"}, global_steps=1)
     finally:
         runner.stop()
         served.join(30)
         runner.close()
     batch, _, by_key = train_step(transfer_queue, config, uids=1, global_steps=1)
-    assert sorted(batch.keys) == ["ext_0_0", "ext_1_0"]
-    entries = store.queue_entries(["ext"])
+    assert sorted(batch.keys) == [f"{uid}_0_0", f"{uid}_1_0"]
+    entries = store.queue_entries([uid])
     assert len(entries) == 2 and all(e.outcome == "succeeded" for e in entries)
     assert all(e.overrides["endpoint"] == [vllm_url.rstrip("/").removesuffix("/v1") + "/v1", "tiny"]
                and e.overrides["sampling"]["temperature"] == 0.7 for e in entries)
@@ -137,7 +151,7 @@ def test_external_rollouts_run_by_a_runner_elsewhere_feed_verls_v1_worker(vllm_u
         spans = [s for s in store.spans(entry.rollout_id) if s.kind == "CLIENT"]
         assert [s.attributes["gen_ai.request.temperature"] for s in spans] == [0.7, 0.7]  # verl's, in the runner
     assert all(int(m.sum()) > 0 for m, _ in by_key.values())
-    transfer_queue.kv_clear(keys=[*batch.keys, "ext"], partition_id="train")
+    transfer_queue.kv_clear(keys=[*batch.keys, uid], partition_id="train")
 
 
 def test_one_store_per_process_however_many_loops_verl_makes(tmp_path):
