@@ -2,8 +2,10 @@
 """What tracing adds to one LLM call, through the public API, against a bare empty OpenTelemetry span.
 
 An ``openai.OpenAI`` client talks to an in-process transport (``httpx.MockTransport``) that answers
-every request with the same bytes a vLLM server sends: ``prompt_token_ids``, ``token_ids`` and
-log-probs for ``P`` prompt and ``R`` response tokens. All of it runs inside one ``@trace`` rollout
+every request with the bytes a vLLM server sends for it: ``prompt_token_ids`` and ``token_ids`` when it
+asked for ``return_token_ids``, log-probs when it asked for ``logprobs``, for ``P`` prompt and ``R``
+response tokens (until 2026-11-27 every answer carried them, asked or not: the untraced calls then paid
+the client's parsing of fields only tracing asks for, up to 5 ms a call at 4,000+1,000). All of it runs inside one ``@trace`` rollout
 into a durable SQLite store, and blocks of N calls alternate in every round:
 
 * ``untraced``: N calls run in an empty ``contextvars.Context()`` (no rollout: the client's own cost,
@@ -35,6 +37,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -49,34 +52,45 @@ import lightning_rl as lrl  # noqa: E402
 PAYLOADS = 9  # > tokens.CANDIDATES_PER_ROLLOUT: no earlier prompt of the rollout is found again
 
 
-def vllm_body(prompt: int, response: int, seed: int) -> bytes:
-    """A chat completion exactly as vLLM sends it with return_token_ids and logprobs."""
+def vllm_body(prompt: int, response: int, seed: int, *, ids: bool = True, logprobs: bool = True) -> bytes:
+    """A chat completion as vLLM sends it: with the token ids (``return_token_ids``) and log-probs
+    (``logprobs``) when asked for them, else ``prompt_token_ids``/``token_ids`` null and no log-probs."""
     rng = random.Random(seed)
-    ids = [rng.randrange(151_000) for _ in range(response)]
-    logprobs = [-rng.random() * 4 for _ in ids]
+    response_ids = [rng.randrange(151_000) for _ in range(response)]
+    values = [-rng.random() * 4 for _ in response_ids]
+    prompt_ids = [rng.randrange(151_000) for _ in range(prompt)]
     return orjson.dumps({
         "id": f"chatcmpl-{seed}", "object": "chat.completion", "created": 0, "model": "tiny",
-        "prompt_token_ids": [rng.randrange(151_000) for _ in range(prompt)],
+        "prompt_token_ids": prompt_ids if ids else None,
         "usage": {"prompt_tokens": prompt, "completion_tokens": response, "total_tokens": prompt + response},
         "choices": [{
-            "index": 0, "finish_reason": "length", "token_ids": ids,
+            "index": 0, "finish_reason": "length", "token_ids": response_ids if ids else None,
             "message": {"role": "assistant", "content": "x" * response},
             "logprobs": {"content": [{"token": "x", "logprob": lp, "bytes": [120], "top_logprobs": []}
-                                     for lp in logprobs]},
+                                     for lp in values]} if logprobs else None,
         }],
     })
 
 
-def measure(prompt: int, response: int, calls: int, rounds: int, tmp: Path) -> dict:
-    bodies = [vllm_body(prompt, response, seed) for seed in range(PAYLOADS)]
+def answers(prompt: int, response: int) -> Any:
+    """An httpx handler answering each request as vLLM would: token fields only when the request asked."""
+    bodies = {(ids, lps): [vllm_body(prompt, response, seed, ids=ids, logprobs=lps) for seed in range(PAYLOADS)]
+              for ids in (False, True) for lps in (False, True)}
     turn = [0]
 
     def answer(request: httpx.Request) -> httpx.Response:
         turn[0] += 1
-        return httpx.Response(200, content=bodies[turn[0] % PAYLOADS], headers={"content-type": "application/json"})
+        sent = orjson.loads(request.content)
+        asked = (bool(sent.get("return_token_ids")), bool(sent.get("logprobs")))
+        return httpx.Response(200, content=bodies[asked][turn[0] % PAYLOADS],
+                              headers={"content-type": "application/json"})
 
+    return answer
+
+
+def measure(prompt: int, response: int, calls: int, rounds: int, tmp: Path) -> dict:
     client = openai.OpenAI(base_url="http://vllm.local:8000/v1", api_key="EMPTY", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+                           http_client=httpx.Client(transport=httpx.MockTransport(answers(prompt, response))))
     messages = [{"role": "system", "content": "You are a helpful agent."}, {"role": "user", "content": "What is 12+30?"}]
     store = lrl.configure(store=f"sqlite:///{tmp / f'capture-{prompt}-{response}.db'}")
 

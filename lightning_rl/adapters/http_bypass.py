@@ -16,8 +16,9 @@ from ..diagnostics import count, report_failure
 from ..tracer.context import _rollout
 from ..capture import CapturedCall, Server
 
-#: Set by the openai adapter around the OpenAI client's requests that it records itself.
-instrumented_request: ContextVar[bool] = ContextVar("lightning_rl_instrumented_request", default=False)
+#: Set by the openai adapter around the OpenAI client's requests that it records itself: the request's
+#: ``CapturedCall`` (its whole answer is read from the engine's bytes, ``http_clients.py``); False elsewhere.
+instrumented_request: ContextVar[Any] = ContextVar("lightning_rl_instrumented_request", default=False)
 
 _PATHS = (("/chat/completions", semconv.OP_CHAT), ("/completions", semconv.OP_TEXT_COMPLETION),
           ("/responses", "responses"), ("/messages", "messages"))

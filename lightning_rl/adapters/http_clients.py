@@ -2,8 +2,10 @@
 
 ``httpx`` and ``httpx2`` (what LiteLLM, the OpenAI client's ``/responses`` and Anthropic's client use),
 ``requests`` and ``aiohttp`` are wrapped where every request passes (``Client.send``,
-``Session.send``, ``ClientSession._request``); outside a rollout, and for the requests the openai
-adapter records itself (it marks them), the wrapper only reads a context variable and calls through.
+``Session.send``, ``ClientSession._request``); outside a rollout the wrapper only reads a context variable
+and calls through. The requests the openai adapter records itself (it marks them with their call) go
+through as they are, and a whole answer's bytes are handed to that call to read before the client parses
+them (``_read_whole_answer``).
 A request carrying ``x-lightning-rl-no-capture`` (the group judge's) is left alone.
 
 Inside a rollout, a POST to an OpenAI or Anthropic endpoint path is an LLM call:
@@ -71,14 +73,36 @@ def _taken_over(module: Any, library: str, request: Any) -> Any:
         return None
 
 
+def _read_whole_answer(call: Any, response: Any) -> None:
+    """An answer the openai adapter's call waits for, read from the engine's bytes before the client parses
+    them (``CapturedCall.read_answer_bytes``); the client gets it less the token fields it did not ask for."""
+    try:
+        read = getattr(call, "read_answer_bytes", None)
+        if read is None or response.status_code != 200 or not hasattr(response, "_content"):
+            return
+        body = read(response.content)
+        if body is not None:
+            response._content = body  # httpx keeps a read body there; .content, .text and .json() read it
+            if "content-length" in response.headers:
+                response.headers["content-length"] = str(len(body))
+    except Exception as exc:  # never into the caller: the client reads the answer as it came
+        report_failure("reading an LLM answer's bytes", exc)
+
+
 def _wrap_send(original: Any, library: str, read: Any, module: Any = None) -> Any:
     """``send(request, ...)`` of httpx, httpx2 (``module``: taken over when it goes to an engine) or a
     requests ``Session`` (recorded from the exchange or counted), watched inside a rollout."""
 
     @functools.wraps(original)
     def send(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if _rollout.get() is None or instrumented_request.get():
+        if _rollout.get() is None:
             return original(self, request, *args, **kwargs)
+        recording = instrumented_request.get()
+        if recording:  # the openai adapter's call: it records it, and reads a whole answer's bytes here
+            response = original(self, request, *args, **kwargs)
+            if module is not None and not kwargs.get("stream"):
+                _read_whole_answer(recording, response)
+            return response
         exchange = _taken_over(module, library, request)
         if exchange is not None:
             if not isinstance(exchange, _Exchange):
@@ -105,8 +129,14 @@ def _wrap_send(original: Any, library: str, read: Any, module: Any = None) -> An
 def _wrap_send_async(original: Any, library: str, read: Any, module: Any = None) -> Any:
     @functools.wraps(original)
     async def send(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if _rollout.get() is None or instrumented_request.get():
+        if _rollout.get() is None:
             return await original(self, request, *args, **kwargs)
+        recording = instrumented_request.get()
+        if recording:  # the openai adapter's call: it records it, and reads a whole answer's bytes here
+            response = await original(self, request, *args, **kwargs)
+            if module is not None and not kwargs.get("stream"):
+                _read_whole_answer(recording, response)
+            return response
         exchange = _taken_over(module, library, request)
         if exchange is not None:
             if not isinstance(exchange, _Exchange):

@@ -9,7 +9,9 @@ Inside a rollout, each ``/chat/completions`` or ``/completions`` request becomes
 :class:`~lightning_rl.capture.CapturedCall` (the capture core: the GenAI span, the engine's
 ``prompt_token_ids``, ``token_ids`` and log-probs): the adapter hands it the server and the request,
 sends the fields it adds (``return_token_ids``, ``logprobs``, which servers get them: ``capture/exchange.py``),
-and the client's response or stream back to it. Other endpoints go on to the HTTP layer
+and the client's response or stream back to it. A whole answer is read from the engine's bytes before the
+client parses them (the HTTP layer hands them to ``CapturedCall.read_answer_bytes``): the client gets it less
+the fields only tracing asked for, so it builds no object per log-prob the agent never wanted. Other endpoints go on to the HTTP layer
 (``http_clients.py``), which records the Responses API through chat completions. Nothing here raises
 into the caller: failures are logged once per cause and counted.
 """
@@ -185,7 +187,7 @@ def _wrap_sync(original: Any) -> Any:
         if started is None:
             return original(self, cast_to, options, *args, **kwargs)
         call, base = started
-        mark = instrumented_request.set(True)  # the HTTP layer leaves this request to us
+        mark = instrumented_request.set(call)  # the HTTP layer leaves this request to us, but its bytes
         try:
             try:
                 result = original(self, cast_to, options, *args, **kwargs)
@@ -213,7 +215,7 @@ def _wrap_async(original: Any) -> Any:
         if started is None:
             return await original(self, cast_to, options, *args, **kwargs)
         call, base = started
-        mark = instrumented_request.set(True)  # the HTTP layer leaves this request to us
+        mark = instrumented_request.set(call)  # the HTTP layer leaves this request to us, but its bytes
         try:
             try:
                 result = await original(self, cast_to, options, *args, **kwargs)

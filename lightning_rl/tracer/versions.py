@@ -128,7 +128,8 @@ class PolicyVersions:
         if time.monotonic() - self._published_at < self._settings.policy_refresh:
             return self._published
         sink = self._get_sink()
-        if not isinstance(sink, PolicyLogReader):
+        if not isinstance(sink, PolicyLogReader):  # a sink with no policy log: asked again after the interval
+            self._published_at = time.monotonic()  # (a Protocol isinstance costs microseconds: not per call)
             return self._published
         try:  # called as a rollout or an LLM call starts: it must never raise into the agent
             with self._lock:

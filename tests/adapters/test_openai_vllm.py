@@ -57,6 +57,22 @@ def test_sync_agent_records_engine_token_ids(traced, client, tokenizer):
     assert span.attributes["gen_ai.usage.output_tokens"] == len(call.response_token_ids)
 
 
+def test_the_agent_gets_the_answer_without_the_fields_tracing_asked_for(traced, client, tokenizer):
+    """vLLM's answer is read from its bytes; the client parses it less return_token_ids and logprobs."""
+    @lrl.trace
+    def agent(question):
+        return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0.0)
+
+    r = agent("q")
+    assert r.choices[0].logprobs is None and (r.model_extra or {}).get("prompt_token_ids") is None
+    assert (r.choices[0].model_extra or {}).get("token_ids") is None
+    (call,) = next(lrl.trajectories(traced)).llm_calls
+    _check_call(call, tokenizer, MESSAGES, r.choices[0].message.content)
+    direct = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0.0,
+                                            extra_body={"return_token_ids": True})
+    assert call.response_token_ids == direct.choices[0].model_extra["token_ids"]
+
+
 async def test_async_agent_streaming_and_plain_calls(traced, aclient, tokenizer):
     @lrl.trace
     async def agent(question):
