@@ -97,8 +97,9 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 # Debian's PostgreSQL server binaries for the PostgreSQL store's tests and benchmarks (a throwaway cluster is
-# started and stopped by the tests themselves, under .cache/). Installed from Debian's packages when missing.
-postgres:
+# started and stopped by the tests themselves, under .cache/). Installed from Debian's packages when missing; after
+# `browser`, so that two apt-get runs never meet under `make -j`.
+postgres: | browser
 	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql >/dev/null; }
@@ -112,7 +113,10 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
-test: disk-check all venv-verl venv-frameworks venv-adk venv-verl-e2e
+# The environments are built two at a time (pip and npm run on one core each; this machine has two), then every suite
+# runs, one after another.
+test: disk-check
+	$(MAKE) -j2 --output-sync=target all venv-verl venv-frameworks venv-adk venv-verl-e2e
 	$(PY) -m pytest -q
 	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
 	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
