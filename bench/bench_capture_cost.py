@@ -5,7 +5,9 @@ An ``openai.OpenAI`` client talks to an in-process transport (``httpx.MockTransp
 every request with the bytes a vLLM server sends for it: ``prompt_token_ids`` and ``token_ids`` when it
 asked for ``return_token_ids``, log-probs when it asked for ``logprobs``, for ``P`` prompt and ``R``
 response tokens (until 2026-11-27 every answer carried them, asked or not: the untraced calls then paid
-the client's parsing of fields only tracing asks for, up to 5 ms a call at 4,000+1,000). All of it runs inside one ``@trace`` rollout
+the client's parsing of fields only tracing asks for, up to 5 ms a call at 4,000+1,000). The log-probs are
+float32 values, as vLLM's are (it computes them in float32); before 2026-11-27 any double, which made the
+packer try float32 and then store float64. All of it runs inside one ``@trace`` rollout
 into a durable SQLite store, and blocks of N calls alternate in every round:
 
 * ``untraced``: N calls run in an empty ``contextvars.Context()`` (no rollout: the client's own cost,
@@ -34,6 +36,7 @@ import argparse
 import contextvars
 import json
 import random
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -57,7 +60,8 @@ def vllm_body(prompt: int, response: int, seed: int, *, ids: bool = True, logpro
     (``logprobs``) when asked for them, else ``prompt_token_ids``/``token_ids`` null and no log-probs."""
     rng = random.Random(seed)
     response_ids = [rng.randrange(151_000) for _ in range(response)]
-    values = [-rng.random() * 4 for _ in response_ids]
+    # vLLM computes log-probs in float32 and writes those values as JSON numbers: float32 values, not any double
+    values = [struct.unpack("<f", struct.pack("<f", -rng.random() * 4))[0] for _ in response_ids]
     prompt_ids = [rng.randrange(151_000) for _ in range(prompt)]
     return orjson.dumps({
         "id": f"chatcmpl-{seed}", "object": "chat.completion", "created": 0, "model": "tiny",
