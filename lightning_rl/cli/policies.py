@@ -67,7 +67,7 @@ def promote(adapter, store, server_url, served_name, gate_path, gate_agent, gate
     """
     from .. import _api
     from ..trainer_bridge.promote import promote as judge_and_publish
-    from ..trainer_bridge.runner import load_agent
+    from ..trainer_bridge.agent_loading import load_agent
     from .train import read_tasks
 
     tasks, agent = read_tasks(gate_path), load_agent(gate_agent)

@@ -391,7 +391,8 @@ def runner(agent, store, concurrency, lease_seconds, rollout_timeout, runner_id,
     import signal
 
     from .._api import configure, stats
-    from ..trainer_bridge.runner import Runner, load_agent
+    from ..trainer_bridge.agent_loading import load_agent
+    from ..trainer_bridge.runner import Runner
 
     opened = configure(store=store) if store else configure()
     worker = Runner(opened, load_agent(agent), runner_id=runner_id, concurrency=concurrency,

@@ -92,7 +92,7 @@ def train_run(agent, tasks_path, eval_path, store, model_dir, server_url, served
     """
     from .. import _api
     from ..trainer_bridge.config import LocalConfig
-    from ..trainer_bridge.runner import load_agent
+    from ..trainer_bridge.agent_loading import load_agent
     from ..trainer_bridge.trainer import Trainer
 
     solve = load_agent(agent)
@@ -184,7 +184,7 @@ def train_continuous(store, model_dir, server_url, served_name, out, min_new, ma
     from .. import _api
     from ..trainer_bridge.config import LocalConfig
     from ..trainer_bridge.continuous import ContinuousTrainer
-    from ..trainer_bridge.runner import load_agent
+    from ..trainer_bridge.agent_loading import load_agent
 
     if bool(gate_path) != bool(gate_agent):
         raise ConfigurationError("the gate needs both --gate-tasks FILE and --gate-agent module:function; got only "

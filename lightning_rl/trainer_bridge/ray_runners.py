@@ -38,7 +38,8 @@ class _RunnerActor:
         if token:
             os.environ[ENV_STORE_TOKEN] = token
         from .._api import configure
-        from .runner import Runner, load_agent
+        from .agent_loading import load_agent
+        from .runner import Runner
 
         self.store = configure(store=store_url)
         self.runner = Runner(self.store, load_agent(agent), **options)

@@ -54,7 +54,8 @@ from .loggers import MetricsLog, make_loggers, sample_rows
 from .plotting import plot_metrics
 from .policies import Policies
 from .publishers import Publisher, check_served, make_publisher, publish_and_record
-from .runner import LoopThread, Runner, run_in_processes
+from .loop_thread import LoopThread
+from .runner import Runner, run_in_processes
 from .sources import LiveGroups, StepBatch, read_groups
 
 @dataclass

@@ -153,7 +153,7 @@ def check_verl_config(cfg: Any) -> None:
 def check_launch_inputs(cfg: Any) -> None:
     """What only the launching machine can check before Ray starts: the agent imports (where verl's workers run
     it) and local dataset files exist. One line naming the setting and the fix."""
-    from .runner import load_agent
+    from .agent_loading import load_agent
 
     rollouts = _get(cfg, "lightning_rl.rollouts", "in_worker")
     agent = _get(cfg, "lightning_rl.agent")
