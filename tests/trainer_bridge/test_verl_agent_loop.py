@@ -93,8 +93,9 @@ def _run_v1_prompt(config, worker, uid, task, global_steps) -> str:
     try:
         within(90, asyncio.run, go(f"{uid}-again"))
     except TransferQueueNoReply as exc:  # reported as an expected failure with the await chains, never passed
-        pytest.xfail(f"TransferQueue 0.1.11's controller left a request of verl's worker unanswered twice (seen in "
-                     f"fresh checkouts, 2026-11-27; verl/TransferQueue, not our loop): {exc}")
+        pytest.xfail(f"a TransferQueue request of verl's worker waited twice for an answer its loop was never woken "
+                     f"for (docs/verl.md, \"Close your agent's AsyncOpenAI client\"; the agents here close theirs): "
+                     f"{exc}")
     return f"{uid}-again"
 
 

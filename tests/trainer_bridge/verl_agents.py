@@ -12,16 +12,16 @@ import lightning_rl as lrl
 @lrl.trace(agent="solver")
 async def two_turn_solver(task):
     base_url, model = lrl.current_endpoint()
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
-    messages = [{"role": "user", "content": task["question"]}]
-    digits = {"structured_outputs": {"regex": "[0-9]{1,6}"}}
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
-                                                 extra_body=digits)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "tool says 42"}]
-    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
-                                                 extra_body=digits)
-    return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY") as client:  # closed in this loop
+        messages = [{"role": "user", "content": task["question"]}]
+        digits = {"structured_outputs": {"regex": "[0-9]{1,6}"}}
+        first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
+                                                     extra_body=digits)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "tool says 42"}]
+        final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
+                                                     extra_body=digits)
+        return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
 
 
 @lrl.trace(agent="solver")
@@ -29,15 +29,15 @@ async def resetting_solver(task):
     """Two calls whose token prefix breaks: the second re-renders the conversation with a system message in
     front (as an agent that compacts or re-templates its context does), so each call is a segment of its own."""
     base_url, model = lrl.current_endpoint()
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
-    digits = {"structured_outputs": {"regex": "[0-9]{1,6}"}}
-    messages = [{"role": "user", "content": task["question"]}]
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
-    messages = [{"role": "system", "content": "Be brief."}, *messages,
-                {"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "tool says 42"}]
-    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
-    return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY") as client:  # closed in this loop
+        digits = {"structured_outputs": {"regex": "[0-9]{1,6}"}}
+        messages = [{"role": "user", "content": task["question"]}]
+        first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
+        messages = [{"role": "system", "content": "Be brief."}, *messages,
+                    {"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "tool says 42"}]
+        final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, extra_body=digits)
+        return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
 
 
 @lrl.trace(agent="solver")
@@ -46,12 +46,12 @@ async def free_resetting_solver(task):
     a grammar-masked sample's are not), rewarded by what it wrote (digits in its answers), so the tries of a
     group differ and the update has a gradient. Two segments per try, whatever the model writes."""
     base_url, model = lrl.current_endpoint()
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
-    messages = [{"role": "user", "content": task["question"]}]
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
-    messages = [{"role": "system", "content": "Be brief."}, *messages,
-                {"role": "assistant", "content": first.choices[0].message.content or ""},
-                {"role": "user", "content": "Answer with a number."}]
-    final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
-    text = (first.choices[0].message.content or "") + (final.choices[0].message.content or "")
-    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY") as client:  # closed in this loop
+        messages = [{"role": "user", "content": task["question"]}]
+        first = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+        messages = [{"role": "system", "content": "Be brief."}, *messages,
+                    {"role": "assistant", "content": first.choices[0].message.content or ""},
+                    {"role": "user", "content": "Answer with a number."}]
+        final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+        text = (first.choices[0].message.content or "") + (final.choices[0].message.content or "")
+        return sum(ch.isdigit() for ch in text) / max(len(text), 1)

@@ -51,7 +51,8 @@ def within(seconds: float, fn, *args, **kwargs):
             future.cancel()  # not left running on the loop the next test uses
             if "transfer_queue/client.py" in waits and "in _request_controller" in waits:
                 raise TransferQueueNoReply(f"{coro!r} did not finish within {seconds} s: a TransferQueue "
-                                           f"controller request was never answered\n{waits}") from None
+                                           f"controller request was never answered\n{waits}\n"
+                                           f"{sockets_waiting()}\n{controller_stacks()}") from None
             pytest.fail(f"{coro!r} did not finish within {seconds} s\n{waits}")
     box: dict = {}
 
@@ -75,7 +76,66 @@ class TransferQueueNoReply(AssertionError):
     """A request of TransferQueue's client to its controller was never answered: it waits without a limit
     (TransferQueue 0.1.11). Seen in about one verl suite in three on this machine, always in verl's
     ``_agent_loop_postprocess`` -> ``async_kv_batch_put`` -> ``async_kv_retrieve_meta``, after our loop returned
-    its rows; not explained (2026-11-27)."""
+    its rows. Found (2026-11-27, docs/verl.md "Close your agent's AsyncOpenAI client"): the controller answered
+    and the answer sat in the client's socket, whose descriptor its event loop no longer watched
+    (``sockets_waiting``): the test agents' ``AsyncOpenAI`` clients were never closed, and the one openai closes
+    when it is collected aborts a connection whose socket was already closed, unregistering a descriptor number
+    that by then was TransferQueue's. The agents now close their clients; this stays to name a recurrence."""
+
+
+def _thread_stacks(_actor=None) -> str:
+    """Every thread's stack in this process (run inside the controller's actor by ``controller_stacks``)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"controller thread {names.get(ident, ident)}:\n"
+                     + "".join(traceback.format_list(traceback.extract_stack(frame)[-10:]))
+                     for ident, frame in sys._current_frames().items())
+
+
+def sockets_waiting() -> str:
+    """Each pyzmq asyncio socket with a receive pending: whether a message is there (``POLLIN``) and whether its
+    event loop watches its file descriptor (asyncio's selector map, and the kernel's epoll set read from
+    ``/proc/self/fdinfo``). Found so, 2026-11-27: TransferQueue's controller had answered (the controller idle
+    in ``recv``, the answer in the client's socket), but that socket's descriptor was in neither, so its loop was
+    never woken for it; calling pyzmq's handler by hand delivered the answer."""
+    try:
+        import gc
+
+        import zmq
+        import zmq.asyncio
+    except ImportError:
+        return "(pyzmq is not installed)"
+    lines = []
+    for sock in gc.get_objects():
+        try:
+            if not isinstance(sock, zmq.asyncio.Socket) or sock.closed or not sock._recv_futures:
+                continue
+            loop, fd = sock._current_loop, sock._shadow_sock.FD
+            selector = loop._selector
+            in_map = fd in selector.get_map()
+            with open(f"/proc/self/fdinfo/{selector._selector.fileno()}") as f:
+                in_epoll = any(line.split()[1] == str(fd) for line in f if line.startswith("tfd:"))
+            lines.append(f"zmq socket {sock.getsockopt(zmq.IDENTITY)!r} to {sock.getsockopt(zmq.LAST_ENDPOINT)!r}: "
+                         f"message waiting {bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)}, fd {fd} watched by its "
+                         f"loop: asyncio {in_map}, epoll {in_epoll}")
+        except Exception as exc:  # noqa: BLE001 - a report of a failure must not fail itself
+            lines.append(f"(a zmq socket could not be read: {type(exc).__name__}: {exc})")
+    return "\n".join(lines) or "(no zmq socket with a receive pending)"
+
+
+def controller_stacks(timeout: float = 15.0) -> str:
+    """Where each thread of TransferQueue's controller (a Ray actor) is, read through Ray: its requests are
+    answered one at a time by one thread, so a request never answered is either lost on the way or behind a
+    handler that does not return; this says which."""
+    try:
+        import ray
+        from transfer_queue import interface
+
+        controller = interface._TQ_CONTROLLER
+        if controller is None:
+            return "(no TransferQueue controller in this process to ask)"
+        return ray.get(controller.__ray_call__.remote(_thread_stacks), timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - a report of a failure must not fail itself
+        return f"(the controller's stacks could not be read: {type(exc).__name__}: {exc})"
 
 
 _LOOP: list = []
