@@ -11,8 +11,9 @@ Inside a rollout, each ``/chat/completions`` or ``/completions`` request becomes
 sends the fields it adds (``return_token_ids``, ``logprobs``, which servers get them: ``capture/exchange.py``),
 and the client's response or stream back to it. A whole answer is read from the engine's bytes before the
 client parses them (the HTTP layer hands them to ``CapturedCall.read_answer_bytes``): the client gets it less
-the fields only tracing asked for, so it builds no object per log-prob the agent never wanted. Other endpoints go on to the HTTP layer
-(``http_clients.py``), which records the Responses API through chat completions. Nothing here raises
+the fields only tracing asked for, so it builds no object per log-prob the agent never wanted. Other
+endpoints go on to the HTTP layer (``http_clients.py``), which records the Responses API through chat
+completions. Nothing here raises
 into the caller: failures are logged once per cause and counted.
 """
 
