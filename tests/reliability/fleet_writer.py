@@ -1,8 +1,8 @@
 """A process that traces rollouts through an HttpStore given several store servers (argv[1], commas),
 printing ``acked <rollout id>`` once the flush after its traced call returned True (acknowledged: on a
 server, or in this process's spill file), until the file argv[2] exists; then it closes the store (its
-backlog is replayed) and prints ``counters <json>``. The fleet reliability tests kill a server and
-restart the database under it."""
+backlog is replayed) and prints ``counters <json>`` (its counters, and under ``server`` the store server it
+used last). The fleet reliability tests kill a server and restart the database under it."""
 
 import json
 import os
@@ -35,4 +35,4 @@ while not os.path.exists(stop_file):
     if store.flush(60):
         print(f"acked {ids[-1]}", flush=True)
 store.close()
-print(f"counters {json.dumps(lrl.stats())}", flush=True)
+print(f"counters {json.dumps({**lrl.stats(), 'server': store.servers[0]})}", flush=True)
