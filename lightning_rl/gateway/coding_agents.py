@@ -197,7 +197,7 @@ os.makedirs(root, exist_ok=True)
 own = tempfile.mkdtemp(prefix=kind + "-", dir=root)
 work = cwd or os.path.join(own, "work")
 os.makedirs(work, exist_ok=True)
-env = dict(os.environ)
+env = dict(os.environ, PWD=work)  # as a shell sets it: opencode takes its project folder from $PWD, not the cwd
 q = json.dumps  # a TOML basic string is written as a JSON string
 if kind == "codex":
     home = os.path.join(own, "codex-home")

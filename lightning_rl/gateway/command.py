@@ -125,6 +125,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
                      "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": opened["base_url"] + "/traces",
                      "OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"authorization=Bearer%20{opened['api_key']}"}
         child_env.pop("ANTHROPIC_AUTH_TOKEN", None)  # it would be sent instead of the rollout's key
+        if cwd is not None:  # as a shell sets it: a CLI that reads $PWD (opencode) must see its own folder
+            child_env["PWD"] = os.path.abspath(cwd)
         given = (task_json if stdin is None else stdin(task)).encode() + b"\n"
         try:
             proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env, cwd=cwd,

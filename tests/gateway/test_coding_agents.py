@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
 
 import pytest
 
@@ -63,3 +64,20 @@ def test_a_cli_is_found_in_the_working_folders_node_modules_and_a_missing_one_is
     (tmp_path / "node_modules" / ".bin").mkdir(parents=True)
     local = _script(tmp_path / "node_modules" / ".bin" / "claude", "true")
     assert os.path.samefile(find_cli(None, "claude", "LIGHTNING_RL_CLAUDE", "x"), local)  # after a local npm install
+
+
+@pytest.mark.parametrize("wrapper", ["claude_code", "codex", "opencode"])
+def test_a_cli_runs_in_the_tasks_folder_and_its_pwd_says_so(traced, tmp_path, wrapper):
+    """opencode takes its project folder from ``$PWD``, not the process's working folder: with the trainer's own
+    ``$PWD`` inherited, the task's folder was outside its project, reading a file there was an external-directory
+    permission that ``opencode run`` refused, and the run ended after the model's first tool call."""
+    work = tmp_path / "work"
+    work.mkdir()
+    cli = tmp_path / "cli"
+    # no shell in between (a shell, pyenv's shims included, sets $PWD itself), as with the real opencode binary
+    cli.write_text(f"#!{sys.executable}\nimport os\nprint(os.environ.get('PWD'), os.getcwd())\n")
+    cli.chmod(cli.stat().st_mode | stat.S_IXUSR)
+    in_work = {"reward": lambda task, out: float(out.split() == [str(work)] * 2), "binary": str(cli)}
+    agent = (lrl.claude_code("Say hi", upstream=UPSTREAM, model="tiny", cwd=work, **in_work) if wrapper == "claude_code"
+             else getattr(lrl, wrapper)(upstream=UPSTREAM, model="tiny", **in_work))
+    assert asyncio.run(agent({"prompt": "Say hi", "cwd": str(work)})) == 1.0  # claude_code: its cwd='s
