@@ -1,20 +1,24 @@
 """A forwarding proxy for tests, between the gateway and the real vLLM server, that makes the tiny model
-call a tool whatever its weights say, by vLLM's guided decoding, so that a real CLI runs the tool:
+call a tool whatever its weights say, by vLLM's guided decoding, so that a real CLI runs the tool, and call
+no other: nothing a CLI offers is left to what the sampled model writes (a free ``tool_choice="required"``
+once let the tiny model call opencode's ``skill`` tool with arguments ``": "`` until opencode's doom-loop
+guard refused it and the run failed). On the first chat-completions request that offers tools:
 
-- by default the first chat-completions request that offers tools is sent with ``tool_choice`` set to
-  ``choice`` (``"required"``: vLLM lets the model write only a call of one of the offered tools; with
-  a tool that is not ``strict``, its arguments are any JSON, and the CLI answers what it makes of them);
 - ``call=(name, arguments)``: that request may only be answered with this exact call (a regex of the
-  call as the model's template, hermes, writes one; vLLM's tool parser reads it as a tool call);
-- ``choice=None``: the request's own ``tool_choice`` is kept (a named one: vLLM's guided decoding already
-  makes it a call of that tool);
+  call as the model's template, hermes, writes one; vLLM's tool parser reads it as a tool call): a tool
+  and arguments the test knows the CLI can run;
+- ``choice``: else its ``tool_choice`` is set to this (``None``: the request's own is kept, e.g. a named one,
+  which vLLM's guided decoding already makes a call of that tool);
 - ``logit_bias``: added to that request too (``conftest.no_free_whitespace``: a constrained call cannot be
   padded with spaces until ``max_tokens`` and left unclosed);
+- ``after``: every later request that offers tools is sent with this ``tool_choice`` (default ``"none"``: the
+  model may call no tool at all after the forced one, so that no tool the CLI offers is left to what the
+  sampled model writes, and the CLI's turn ends on a text answer; ``None``: as the CLI sent it);
 - ``stall=True``: nothing is forced, and a request that offers tools gets no answer until its client
   hangs up (an engine that hangs: the CLI waits on it).
 
 Every other request, and every answer (streams too), passes through byte for byte. ``forced``: the
-bodies it changed, as sent; ``requests``: every chat-completions body, as sent."""
+bodies it forced a call in, as sent; ``requests``: every chat-completions body, as sent."""
 
 from __future__ import annotations
 
@@ -34,10 +38,10 @@ _HOP = {b"connection", b"content-length", b"transfer-encoding", b"keep-alive", b
 class ForcingProxy:
     """``with ForcingProxy(ENGINE_URL) as proxy:`` give ``proxy.url + "/v1"`` as the upstream."""
 
-    def __init__(self, engine: str, choice: Any = "required", call: tuple[str, dict[str, Any]] | None = None,
-                 stall: bool = False, logit_bias: dict[str, int] | None = None) -> None:
+    def __init__(self, engine: str, choice: Any = None, call: tuple[str, dict[str, Any]] | None = None,
+                 stall: bool = False, logit_bias: dict[str, int] | None = None, after: str | None = "none") -> None:
         self.engine, self.choice, self.call, self.stall = engine.rstrip("/").removesuffix("/v1"), choice, call, stall
-        self.logit_bias = logit_bias
+        self.logit_bias, self.after = logit_bias, after
         self.forced: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
         self._closing = False
@@ -90,6 +94,9 @@ class ForcingProxy:
                 return
             if body.get("tools") and not self.forced:
                 self._force(body)
+                raw = orjson.dumps(body)
+            elif body.get("tools") and self.after is not None:
+                body["tool_choice"] = self.after
                 raw = orjson.dumps(body)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
         url = self.engine + scope["path"] + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")

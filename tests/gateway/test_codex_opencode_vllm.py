@@ -1,7 +1,9 @@
 """Codex (``codex exec``, the Responses API) and opencode (``opencode run``, chat completions), the real
 CLIs pinned in examples/cli_agents (make node-deps), through the gateway against the real vLLM server
 (the tiny model with a long window: their system prompts and tools are 10,000-18,000 tokens). Where a
-test needs the model to call a tool, vLLM's guided decoding makes it (``forcing_proxy.py``)."""
+test needs the model to call a tool, vLLM's guided decoding makes it call that tool with those arguments, and
+no tool after it (``forcing_proxy.py``). Each run's time limit is derived from what the machine takes at the
+time (``machine_pace.py``)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from lightning_rl.records import RolloutStatus
 
 from ..conftest import SERVED_NAME, no_free_whitespace
 from .forcing_proxy import ForcingProxy
+from .machine_pace import cli_time_limit
 
 pytestmark = [pytest.mark.vllm]
 BIN = Path(__file__).resolve().parents[2] / "examples" / "cli_agents" / "node_modules" / ".bin"
@@ -110,14 +113,15 @@ def test_codex_requests_are_carried_and_what_cannot_be_is_refused(traced, vllm_l
     assert tool.attributes[semconv.TOOL_RESULT] == "42"
 
 
-def _tool_call_ran_and_its_result_went_back(traj, engine) -> None:
-    """The first call is the forced one: a call of one of the tools offered; the CLI ran it (a tool span
-    with the model's call id and what the tool answered, an error included) and sent that result in the
-    next request of the same agent."""
+def _tool_call_ran_and_its_result_went_back(traj, engine) -> str:
+    """The forced call is the only tool call: the tool and arguments forced, one of the tools offered; the CLI
+    ran it (a tool span with the model's call id and what the tool answered, an error included) and sent that
+    result in the next request of the same agent. Returns the result."""
     assert len(engine.forced) == 1
     offered = {tool["function"]["name"] for tool in engine.forced[0]["tools"]}
-    first = next(call for call in traj.llm_calls if call.tool_calls)
+    (first,) = [call for call in traj.llm_calls if call.tool_calls]  # after it, no tool could be called
     (asked,) = first.tool_calls
+    assert asked.name == engine.call[0] and json.loads(asked.arguments) == engine.call[1]
     assert asked.name in offered and asked.id
     (tool,) = [t for t in traj.tool_spans if t.attributes[semconv.GEN_AI_TOOL_CALL_ID] == asked.id]
     assert tool.attributes[semconv.GEN_AI_TOOL_NAME] == asked.name
@@ -126,6 +130,15 @@ def _tool_call_ran_and_its_result_went_back(traj, engine) -> None:
     after = traj.llm_calls[traj.llm_calls.index(first) + 1:]
     assert any(m.get("role") == "tool" and m.get("tool_call_id") == asked.id and m.get("content") == result
                for call in after for m in call.input_messages)
+    return result
+
+
+def _note(tmp_path: Path) -> Path:
+    """A folder for the CLI to work in, with a file for its forced tool call to read."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "note.txt").write_text("the answer is 42\n")
+    return work
 
 
 def _calls(store, rollout_id):
@@ -133,13 +146,16 @@ def _calls(store, rollout_id):
                   key=lambda s: s.attributes[semconv.LLM_CALL_INDEX])
 
 
-def test_codex_exec_calls_a_tool_and_its_call_and_result_are_recorded(traced, vllm_long_url):
-    # read-only: a command the model writes cannot change anything (Codex's own sandbox)
-    with ForcingProxy(vllm_long_url) as engine:
-        agent = codex(upstream=engine.url + "/v1", model=SERVED_NAME, binary=_cli("codex"), sandbox="read-only",
-                      timeout=120, reward=lambda task, answer: 0.5 if answer.strip() else 0.0)
+def test_codex_exec_calls_a_tool_and_its_call_and_result_are_recorded(traced, vllm_long_url, tmp_path):
+    work, binary = _note(tmp_path), _cli("codex")
+    # read-only: the command cannot change anything (Codex's own sandbox); what it printed, or the sandbox's
+    # refusal, is the tool's result either way
+    with ForcingProxy(vllm_long_url, call=("exec_command", {"cmd": "cat note.txt"})) as engine:
+        agent = codex(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary, sandbox="read-only",
+                      timeout=cli_time_limit(vllm_long_url, binary, calls=3),
+                      reward=lambda task, answer: 0.5 if answer.strip() else 0.0)
         with lrl.rollout_overrides(sampling=GREEDY):
-            reward = asyncio.run(agent("What is 12+30?"))
+            reward = asyncio.run(agent({"prompt": "What does note.txt say?", "cwd": str(work)}))
     (rollout,) = traced.rollouts()
     traj = lrl.trajectory(traced, rollout.rollout_id)
     # the caller's reward (from Codex's last message, whatever the tiny model answered), not a number it printed
@@ -156,9 +172,11 @@ def test_codex_exec_calls_a_tool_and_its_call_and_result_are_recorded(traced, vl
 def test_codex_sub_agent_and_compaction_calls_are_told_apart(traced, vllm_long_url):
     """The real CLI's own lines: its first answer is a spawn_agent call (guided decoding), so Codex starts a
     sub-agent thread; a window of 1,000 tokens makes it compact its context before each later turn."""
+    binary = _cli("codex")
     with ForcingProxy(vllm_long_url, call=("spawn_agent", {"message": "Say hi."})) as engine:
-        agent = codex(upstream=engine.url + "/v1", model=SERVED_NAME, binary=_cli("codex"), sandbox="read-only",
-                      timeout=120, args=["-c", "model_auto_compact_token_limit=1000"])
+        agent = codex(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary, sandbox="read-only",
+                      timeout=cli_time_limit(vllm_long_url, binary, calls=6),
+                      args=["-c", "model_auto_compact_token_limit=1000"])
         with lrl.rollout_overrides(sampling=GREEDY):
             asyncio.run(agent("What is 12+30?"))
     (rollout,) = traced.rollouts()
@@ -177,17 +195,19 @@ def test_codex_sub_agent_and_compaction_calls_are_told_apart(traced, vllm_long_u
     assert all(stats.get(f"codex_{line}_calls", 0) >= 1 for line in ("subagent", "compaction", "compacted"))
 
 
-def test_opencode_run_calls_a_tool_and_its_title_call_is_its_own_agent(traced, vllm_long_url):
-    with ForcingProxy(vllm_long_url) as engine:
-        agent = opencode(upstream=engine.url + "/v1", model=SERVED_NAME, binary=_cli("opencode"), timeout=150,
+def test_opencode_run_calls_a_tool_and_its_title_call_is_its_own_agent(traced, vllm_long_url, tmp_path):
+    work, binary = _note(tmp_path), _cli("opencode")
+    with ForcingProxy(vllm_long_url, call=("read", {"filePath": str(work / "note.txt")})) as engine:
+        agent = opencode(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary,
+                         timeout=cli_time_limit(vllm_long_url, binary, calls=4),
                          config={"permission": {"bash": "deny", "edit": "deny", "webfetch": "deny"}})
         with lrl.rollout_overrides(sampling=GREEDY):
-            assert asyncio.run(agent({"prompt": "What is 12+30?"})) is None  # no reward given: none
+            assert asyncio.run(agent({"prompt": "What does note.txt say?", "cwd": str(work)})) is None  # no reward
     (rollout,) = traced.rollouts()
     traj = lrl.trajectory(traced, rollout.rollout_id)
     assert traj.status == RolloutStatus.SUCCEEDED
     _every_call_recorded_with_the_engines_ids(traj)
-    _tool_call_ran_and_its_result_went_back(traj, engine)
+    assert "the answer is 42" in _tool_call_ran_and_its_result_went_back(traj, engine)  # opencode read the file
     agents = [call.agent_name for call in traj.llm_calls]
     assert "opencode-small" in agents and "opencode" in agents  # the title call and the main agent's
     assert {c.agent_name for c in traj.llm_calls if c.tool_calls} == {"opencode"}
@@ -200,8 +220,11 @@ def test_a_cli_that_fails_or_hangs_ends_its_rollout_with_what_it_recorded(traced
     with pytest.raises(lrl.LightningRLError, match="the task must be the prompt"):
         asyncio.run(bad({"no": "prompt"}))
     # opencode's title call is answered; its main call (the one with tools) never is: the CLI waits on it
+    # the limit must leave time for the title call to be answered (a 2,200-token prompt), whatever the load
+    binary = _cli("opencode")
+    limit = cli_time_limit(vllm_long_url, binary, calls=1, prompt_tokens=2_500, floor=10)
     with ForcingProxy(vllm_long_url, stall=True) as engine:
-        slow = opencode(upstream=engine.url + "/v1", model=SERVED_NAME, binary=_cli("opencode"), timeout=10)
+        slow = opencode(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary, timeout=limit)
         with lrl.rollout_overrides(sampling=GREEDY), pytest.raises(TimeoutError, match="ran past its timeout"):
             asyncio.run(slow("What is 12+30?"))
     rollouts = traced.rollouts()
