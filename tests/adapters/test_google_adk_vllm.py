@@ -5,7 +5,9 @@ ADK pins OpenTelemetry <= 1.44 and the main environment has 1.45, so this file r
 
 Tool use is forced: a named ``tool_choice`` given to ``LiteLlm``, or ADK's own ``FunctionCallingConfig(mode=
 "ANY")``, which reaches vLLM as ``tool_choice="required"``. ADK's ``LiteLlm`` never marks a tool ``strict``, so vLLM
-constrains the call's envelope but not its arguments (any JSON object): with the quote token banned the only
+constrains the call's envelope but not its arguments (any JSON object): with the quote token banned and free
+whitespace pushed down (``conftest.no_free_whitespace``: JSON lets a greedy model pad ``{ }`` with spaces until
+``max_tokens``, and a truncated call is no call: a sub-agent's call once ended so, "no calculator span") the only
 object the model can write is ``{}``, so every forced call closes, and the tools take defaults. (The arguments
 of a call are checked with ADK's own scripted path, a ``before_model_callback`` answering for the model, in the
 test that needs no server.) ``RunConfig(max_llm_calls=...)`` ends the run (a forced tool never lets the agent
@@ -20,7 +22,7 @@ import pytest
 import lightning_rl as lrl
 from lightning_rl import semconv
 
-from ..conftest import MODEL_DIR, SERVED_NAME
+from ..conftest import MODEL_DIR, SERVED_NAME, no_free_whitespace
 
 if importlib.util.find_spec("google.adk") is None:
     pytest.skip("Google ADK lives in .venv-adk (make venv-adk; make test runs this file there)",
@@ -63,7 +65,7 @@ def adk(vllm_url, monkeypatch):
     def model(tool: str | None = None) -> LiteLlm:
         force = {"tool_choice": {"type": "function", "function": {"name": tool}}} if tool else {}
         return LiteLlm(model=f"openai/{SERVED_NAME}", api_base=vllm_url, api_key="EMPTY", temperature=0,
-                       max_tokens=120, logit_bias=NO_QUOTES, **force)
+                       max_tokens=120, logit_bias={**NO_QUOTES, **no_free_whitespace()}, **force)
 
     async def run(agent, question: str, *, max_llm_calls: int, stream: bool = False) -> None:
         sessions = InMemorySessionService()
