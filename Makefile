@@ -113,15 +113,25 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
 model: $(MODEL_DIR)/config.json
 
-# The environments are built two at a time (pip and npm run on one core each; this machine has two), then every suite
-# runs, one after another.
+# make test: scripts/run_suites.py runs the set-up (what the main suite needs, two builds at a time: pip and npm run on
+# one core each, and the tiny model's build on both), then two lanes side by side: the main suite in TEST_WORKERS
+# pytest-xdist workers (a file's tests in one worker; tests/conftest.py), and a lane that builds each other environment,
+# then runs its suite. A failed suite stops nothing else; the run ends with one line per step: its result and minutes.
+# (The steps call `make`, not $(MAKE): `make -n test` must not run them.)
+TEST_WORKERS ?= 3
+OTHER_SUITES := verl-env,verl,frameworks-env,frameworks,adk-env,adk,verl-e2e-env,verl-e2e
 test: disk-check
-	$(MAKE) -j2 --output-sync=target all venv-verl venv-frameworks venv-adk venv-verl-e2e
-	$(PY) -m pytest -q
-	$(VERL_VENV)/bin/python -m pytest -q -m "verl or ray" tests/trainer_bridge
-	$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py
-	$(ADK_VENV)/bin/python -m pytest -q tests/adapters/test_google_adk_vllm.py
-	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
+	$(PYTHON) scripts/run_suites.py --lane main --lane $(OTHER_SUITES) \
+	  "set-up=make -j2 --output-sync=target all" \
+	  "main=$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup" \
+	  "verl-env=make venv-verl" \
+	  "verl=$(VERL_VENV)/bin/python -m pytest -q -m 'verl or ray' tests/trainer_bridge" \
+	  "frameworks-env=make venv-frameworks" \
+	  "frameworks=$(FRAMEWORKS_VENV)/bin/python -m pytest -q tests/adapters/test_pinned_frameworks_vllm.py" \
+	  "adk-env=make venv-adk" \
+	  "adk=$(ADK_VENV)/bin/python -m pytest -q tests/adapters/test_google_adk_vllm.py" \
+	  "verl-e2e-env=make venv-verl-e2e" \
+	  "verl-e2e=$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e"
 
 # A full run needs about 14 GB for the venvs and the model and about 2 GB under $TMPDIR while it runs; a full disk
 # fails tests far from the cause (a CI run once died of ENOSPC in tmp_path), so say so first.
@@ -138,7 +148,7 @@ test-verl-e2e: venv venv-vllm model venv-verl-e2e
 	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
 
 test-fast: venv postgres
-	$(PY) -m pytest -q -m "not vllm and not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not vllm and not slow"
 
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):
 # no test may depend on what one sampled model says. SEED=7 make test-other-seed

@@ -113,6 +113,7 @@ def build_tokenizer():
     return hf
 
 
+ASSISTANT_TURN, TURN_END = "<|im_start|>assistant\n", "<|im_end|>"
 SYSTEM_PROMPTS = ("Answer with the number.", "You are a careful calculator agent.", "Be exact.", "")
 
 
@@ -139,20 +140,26 @@ def synthetic_trace(rng, tool: bool) -> list[dict]:
 
 def encode_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a mask that is 1 on assistant-generated tokens only
-    (their content and closing <|im_end|>); tool results and prompts are 0."""
-    tools = [CALCULATOR_TOOL]
-    full = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    (their content and closing <|im_end|>); tool results and prompts are 0.
+
+    The conversation is rendered once: an assistant message's tokens start after its
+    ``<|im_start|>assistant\n`` and end with its ``<|im_end|>``, and the template renders each message after
+    the ones before it, so the token count of the text before a mark is where it falls in the ids (the
+    tokenizer is character-level, and a mark is never split). The same ids and mask as rendering each
+    prefix of the conversation, at a fraction of the cost (the build's fingerprint is unchanged)."""
+    full = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False)
     ids = tokenizer.encode(full, add_special_tokens=False)
     mask = [0] * len(ids)
-    for k, message in enumerate(messages):
+    at = 0
+    for message in messages:
         if message["role"] != "assistant":
             continue
-        start = len(tokenizer.encode(tokenizer.apply_chat_template(
-            messages[:k], tools=tools, tokenize=False, add_generation_prompt=True), add_special_tokens=False))
-        end = len(tokenizer.encode(tokenizer.apply_chat_template(
-            messages[: k + 1], tools=tools, tokenize=False), add_special_tokens=False)) - 1  # drop the "\n"
-        for i in range(start, end):
-            mask[i] = 1
+        at = full.index(ASSISTANT_TURN, at) + len(ASSISTANT_TURN)
+        close = full.index(TURN_END, at) + len(TURN_END)
+        start = len(tokenizer.encode(full[:at], add_special_tokens=False))
+        end = len(tokenizer.encode(full[:close], add_special_tokens=False))
+        mask[start:end] = [1] * (end - start)
+        at = close
     return ids, mask
 
 

@@ -41,6 +41,17 @@ def no_free_whitespace() -> dict[str, int]:
     return {str(i): -100 for token, i in vocab.items() if token and set(token) <= whitespace}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs this suite in pytest-xdist workers (``-n N --dist loadgroup``): each test file is a group,
+    run by one worker (its module fixtures set up once, its tests in order), and the files that need the
+    long-window vLLM server are one group (one such server, not one per worker). Without xdist the marks do
+    nothing."""
+    for item in items:
+        long_window = "vllm_long_url" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("vllm-long-window" if long_window else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_span_processors():
     """A test that gives tracing its own span processors leaves none to the next: each test starts with

