@@ -123,7 +123,7 @@ OTHER_SUITES := verl-env,verl,frameworks-env,frameworks,adk-env,adk,verl-e2e-env
 test: disk-check
 	$(PYTHON) scripts/run_suites.py --lane main --lane $(OTHER_SUITES) \
 	  "set-up=make -j2 --output-sync=target all" \
-	  "main=$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup" \
+	  "main=$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile" \
 	  "verl-env=make venv-verl" \
 	  "verl=$(VERL_VENV)/bin/python -m pytest -q -m 'verl or ray' tests/trainer_bridge" \
 	  "frameworks-env=make venv-frameworks" \
@@ -148,7 +148,7 @@ test-verl-e2e: venv venv-vllm model venv-verl-e2e
 	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
 
 test-fast: venv postgres
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not vllm and not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not vllm and not slow"
 
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):
 # no test may depend on what one sampled model says. SEED=7 make test-other-seed

@@ -71,6 +71,9 @@ class VLLMServer:
     max_loras: int = 1  # adapters in one batch (one per policy a team trains)
     # VLLM_SERVER_DEV_MODE=1: the routes a full-weights publish uses (/pause, /collective_rpc, /resume; vllm_full)
     dev_mode: bool = False
+    # the KV cache's memory, MiB (--kv-cache-memory-bytes; the CPU build allocates and touches all of it at start).
+    # None: $VLLM_CPU_KVCACHE_SPACE GiB, else 1 GiB. The tiny model holds a token in 2 KiB: 256 MiB is 131,072 tokens
+    kv_cache_mib: int | None = None
     extra_args: tuple[str, ...] = ()
     log_path: Path | None = None
     ready_timeout: float = 300.0
@@ -105,6 +108,8 @@ class VLLMServer:
         ]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
+        if self.kv_cache_mib is not None:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_mib * 2**20)]
         return cmd + list(self.extra_args)
 
     def start(self) -> "VLLMServer":
@@ -114,8 +119,14 @@ class VLLMServer:
                 f"no vLLM interpreter at {self.python}. Tried: {tried}. Install vllm into this environment, set "
                 f"{ENV_VLLM_PYTHON} to a Python that can import it, or run `make venv-vllm` in the repository"
             )
+        kv = self.kv_cache_mib
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ConfigurationError(f"kv_cache_mib must be a whole number of MiB, at least 1 (or None: "
+                                     f"$VLLM_CPU_KVCACHE_SPACE GiB, else 1 GiB), got {self.kv_cache_mib!r}")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        if self.kv_cache_mib is not None:  # the CPU build lets $VLLM_CPU_KVCACHE_SPACE override the option
+            env.pop("VLLM_CPU_KVCACHE_SPACE")
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.dev_mode:

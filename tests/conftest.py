@@ -24,6 +24,10 @@ from lightning_rl.vllm_server import VLLMServer  # noqa: E402
 # LIGHTNING_RL_TEST_MODEL_DIR runs the suite against another tiny model (scripts/vllm_tests_other_seed.sh).
 MODEL_DIR = Path(os.environ.get("LIGHTNING_RL_TEST_MODEL_DIR") or ROOT / ".cache" / "tiny-qwen2").resolve()
 SERVED_NAME = "tiny"
+#: the KV cache of a test's vLLM server (MiB): the tiny model holds a token in 2 KiB, so 256 MiB is 131,072 tokens, far
+#: more than any test asks at once; the CPU build touches all of it at start (1 GiB by default: make test runs up to
+#: eight servers side by side, and Ray kills workers at 95% of the machine's memory)
+TEST_KV_CACHE_MIB = 256
 
 
 def no_free_whitespace() -> dict[str, int]:
@@ -41,15 +45,33 @@ def no_free_whitespace() -> dict[str, int]:
     return {str(i): -100 for token, i in vocab.items() if token and set(token) <= whitespace}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+#: The test files that need the long-window vLLM server: under pytest-xdist they run in one worker (one such server).
+LONG_WINDOW_FILES = ("tests/gateway/test_claude_code_vllm.py", "tests/gateway/test_codex_opencode_vllm.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs this suite in pytest-xdist workers (``-n N --dist loadfile``): each test file runs in one
+    worker (its module fixtures set up once, its tests in order), and ``LONG_WINDOW_FILES`` in the same one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "long-window vLLM server" if path in LONG_WINDOW_FILES else path
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``make test`` runs this suite in pytest-xdist workers (``-n N --dist loadgroup``): each test file is a group,
-    run by one worker (its module fixtures set up once, its tests in order), and the files that need the
-    long-window vLLM server are one group (one such server, not one per worker). Without xdist the marks do
-    nothing."""
+    """A file that asks for the long-window vLLM server must be in ``LONG_WINDOW_FILES`` (else make test's workers
+    start one such server each)."""
     for item in items:
-        long_window = "vllm_long_url" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("vllm-long-window" if long_window else item.nodeid.split("::")[0]))
+        path = item.nodeid.split("::", 1)[0]
+        if "vllm_long_url" in getattr(item, "fixturenames", ()) and path not in LONG_WINDOW_FILES:
+            raise pytest.UsageError(f"{path} uses vllm_long_url: add it to LONG_WINDOW_FILES in tests/conftest.py")
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +191,7 @@ def vllm_url(tmp_path_factory):
         yield reuse.rstrip("/") + "/v1"
         return
     server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, enable_lora=True, max_loras=2,
-                        log_path=tmp_path_factory.mktemp("vllm") / "server.log")
+                        kv_cache_mib=TEST_KV_CACHE_MIB, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
     with server:
         yield server.base_url
 
@@ -194,6 +216,7 @@ def vllm_long_url(tmp_path_factory):
         yield reuse.rstrip("/") + "/v1"
         return
     server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, max_model_len=LONG_MAX_MODEL_LEN,
+                        kv_cache_mib=2 * TEST_KV_CACHE_MIB,  # a whole window (131,072 tokens) and room beside it
                         extra_args=("--hf-overrides", json.dumps({"max_position_embeddings": LONG_MAX_MODEL_LEN}),
                                     "--enable-prefix-caching"),
                         log_path=tmp_path_factory.mktemp("vllm-long") / "server.log")

@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from lightning_rl.errors import EngineStartError, LightningRLError, RunnerStoppedError, StoreClosedError
+from lightning_rl.errors import (ConfigurationError, EngineStartError, LightningRLError, RunnerStoppedError,
+                                 StoreClosedError)
 from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.store.writer import BackgroundWriter
 from lightning_rl.trainer_bridge.sources import LiveGroups
@@ -39,6 +40,19 @@ def test_a_vllm_server_never_ready_is_an_engine_start_error_and_is_stopped(tmp_p
     with pytest.raises(EngineStartError, match=r"not ready after ready_timeout=1.0s .*give it longer"):
         server.start()
     assert server.process.poll() is not None  # stopped, not left running
+
+
+def test_the_kv_cache_size_reaches_vllm_and_a_bad_one_is_refused(tmp_path):
+    seen = tmp_path / "seen"
+    python = _script(tmp_path, f'echo "$@" > {seen}; env > {seen}.env; exit 3')
+    with pytest.raises(EngineStartError):
+        VLLMServer(model="m", python=python, kv_cache_mib=256, port=1).start()
+    assert "--kv-cache-memory-bytes 268435456" in seen.read_text()
+    # the CPU build lets $VLLM_CPU_KVCACHE_SPACE override the option: it is not passed on
+    assert "VLLM_CPU_KVCACHE_SPACE" not in (tmp_path / "seen.env").read_text()
+    for bad in (0, 0.5, True, "256"):
+        with pytest.raises(ConfigurationError, match=rf"kv_cache_mib must be a whole number of MiB.*got {bad!r}"):
+            VLLMServer(model="m", python=python, kv_cache_mib=bad, port=1).start()
 
 
 def test_a_write_after_the_writer_is_closed_is_a_store_closed_error():

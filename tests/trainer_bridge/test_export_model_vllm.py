@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from lightning_rl.cli import main
 from lightning_rl.vllm_server import VLLMServer
 
-from ..conftest import ensure_tiny_model
+from ..conftest import TEST_KV_CACHE_MIB, ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "What is 12+7? The answer is"
@@ -46,14 +46,14 @@ def test_the_merged_model_gives_the_greedy_answer_of_base_plus_adapter(tmp_path)
     assert (merged / "config.json").is_file() and (merged / "lightning_rl_export.json").is_file()
     assert not (merged / "adapter_config.json").exists()
 
-    with VLLMServer(model=str(base_dir), enable_lora=True, log_path=tmp_path / "base.log") as server:
+    with VLLMServer(model=str(base_dir), enable_lora=True, kv_cache_mib=TEST_KV_CACHE_MIB, log_path=tmp_path / "base.log") as server:
         base_answer = _greedy(server, server.served_name)
         request = urllib.request.Request(server.url + "/v1/load_lora_adapter", data=json.dumps(
             {"lora_name": "adapter", "lora_path": str(adapter)}).encode(), headers={"content-type": "application/json"})
         urllib.request.urlopen(request, timeout=120).read()
         adapter_answer = _greedy(server, "adapter")
     assert adapter_answer != base_answer  # the adapter matters, so the comparison below can fail
-    with VLLMServer(model=str(merged), log_path=tmp_path / "merged.log") as server:
+    with VLLMServer(model=str(merged), kv_cache_mib=TEST_KV_CACHE_MIB, log_path=tmp_path / "merged.log") as server:
         assert _greedy(server, server.served_name) == adapter_answer
 
 

@@ -23,7 +23,7 @@ from lightning_rl.trainer_bridge.publishers import publish_and_record
 from lightning_rl.trainer_bridge.publishers_full import served_prompt_logprobs
 from lightning_rl.vllm_server import VLLMServer, free_port
 
-from ..conftest import SERVED_NAME, ensure_tiny_model
+from ..conftest import SERVED_NAME, TEST_KV_CACHE_MIB, ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 IDS = [55, 17, 14, 94, 26, 30, 18, 12, 20, 94, 11, 27, 24]  # a fixed prompt (token ids of the tiny model)
@@ -35,7 +35,7 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def dev_server(tmp_path_factory):
     """A vLLM server of the tiny model with the development routes (VLLM_SERVER_DEV_MODE=1)."""
-    server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, dev_mode=True,
+    server = VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, dev_mode=True, kv_cache_mib=TEST_KV_CACHE_MIB,
                         log_path=tmp_path_factory.mktemp("vllm-dev") / "server.log")
     with server:
         yield server

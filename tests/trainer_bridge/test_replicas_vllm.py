@@ -31,7 +31,7 @@ from lightning_rl.trainer_bridge.replicas import Replicas, from_gateway
 from lightning_rl.trainer_bridge.rollback import rollback
 from lightning_rl.vllm_server import VLLMServer
 
-from ..conftest import SERVED_NAME, ensure_tiny_model
+from ..conftest import SERVED_NAME, TEST_KV_CACHE_MIB, ensure_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 peft = pytest.importorskip("peft")
@@ -48,7 +48,7 @@ def replicas(tmp_path_factory):
         return
     logs = tmp_path_factory.mktemp("replicas")
     servers = [VLLMServer(model=str(ensure_tiny_model()), served_name=SERVED_NAME, enable_lora=True, max_loras=2,
-                          log_path=logs / f"replica{i}.log") for i in range(2)]
+                          kv_cache_mib=TEST_KV_CACHE_MIB, log_path=logs / f"replica{i}.log") for i in range(2)]
     try:
         for server in servers:
             server.start()

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 
 import lightning_rl as lrl  # noqa: E402
 
-from ..conftest import ensure_tiny_model  # noqa: E402
+from ..conftest import TEST_KV_CACHE_MIB, ensure_tiny_model  # noqa: E402
 from ..verl_cpu.settings import cpu_env, cpu_overrides  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +128,8 @@ def test_the_verl_checkpoint_goes_to_a_served_vllm_through_the_gate_and_back(ver
                    LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).save_pretrained(str(live))
     store_url = f"sqlite:///{tmp_path / 'prod.db'}"
     (tmp_path / "gate.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TASKS))
-    with VLLMServer(model=str(model), enable_lora=True, max_loras=2, max_model_len=2048) as server:
+    with VLLMServer(model=str(model), enable_lora=True, max_loras=2, max_model_len=2048,
+                    kv_cache_mib=TEST_KV_CACHE_MIB) as server:
         load_served(server.url, "policy", live)
         with lrl.open_store(store_url) as store:
             store.record_policy("policy", 0, adapter=str(live))
