@@ -1,4 +1,5 @@
-"""Waiting for a service the tests started as a process (a store server, a gateway) to answer."""
+"""Waiting for a service the tests started as a process (a store server, a gateway) to answer; how long an ordinary
+request may take after a hostile one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import subprocess
 import time
 
 import httpx
+
+#: How long an ordinary write may take after a hostile one (the trust-boundary and fuzz tests): a store or gateway the
+#: hostile value wedged spends its 30 s of retries first, the failure those tests guard against; a write on a loaded
+#: machine takes a few seconds at worst. Not a speed target: what each write took is in their figures.
+NOT_WEDGED_S = 10.0
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 60.0, what: str = "the server",

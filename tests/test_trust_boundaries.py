@@ -1,7 +1,7 @@
 """Issue 30's findings, each reproduced through the real servers on 127.0.0.1 (the store server, the
 gateway, the viewer) or the public Python API, then shown fixed: a value that crosses a trust boundary
 is answered 4xx naming the field and the limit, or set aside in the store's quarantine; ordinary writes
-from other clients land within a second of it; nothing recorded before is lost; reads never fail for
+from other clients land after it, without waiting out a wedged store's retries; nothing recorded before is lost; reads never fail for
 everyone because of one rollout."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_rl.store.http.server import BackgroundServer
 from lightning_rl.store.sqlite.store import SQLiteStore
 from lightning_rl.tracer import tracing
 
-from .services import wait_healthy
+from .services import NOT_WEDGED_S, wait_healthy
 from .store.helpers import llm_span
 
 pytest.importorskip("fastapi")
@@ -64,12 +64,12 @@ def _count(db: Path, table: str, where: str = "1") -> int:
         conn.close()
 
 
-def _lands_within_a_second(post, db: Path, rid: str) -> None:
-    """An ordinary client's write, sent after the bad one, answered and in the file within a second."""
+def _lands(post, db: Path, rid: str) -> None:
+    """An ordinary client's write, sent after the bad one, answered and in the file, not after a wedge's retries."""
     t0 = time.monotonic()
     resp = post({"ops": [_start(rid), _span(rid, 0)]})
     assert resp.status_code == 200, resp.text
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < NOT_WEDGED_S
     assert _count(db, "spans", f"rollout_id = '{rid}'") == 1
 
 
@@ -103,10 +103,10 @@ def served(tmp_path):
 ])
 def test_the_store_server_refuses_values_sqlite_cannot_hold_and_keeps_writing(served, ops, field):
     srv, client = served
-    resp = client.post("/batch", content=_dumps_big({"ops": ops}), timeout=5)
+    resp = client.post("/batch", content=_dumps_big({"ops": ops}), timeout=30)
     assert resp.status_code == 422, resp.text
     assert field in resp.text
-    _lands_within_a_second(lambda body: client.post("/batch", json=body), srv.db, "after")
+    _lands(lambda body: client.post("/batch", json=body), srv.db, "after")
     assert _count(srv.db, "spans", "rollout_id = 'before'") == 1  # nothing recorded before is lost
     assert _count(srv.db, "rollouts", "rollout_id = 'bad'") == 0
 
@@ -121,18 +121,18 @@ def _dumps_big(value) -> bytes:
 def test_the_store_server_refuses_big_integers_anywhere_a_client_can_put_them(served):
     srv, client = served
     big_task = _dumps_big({"ops": [_start("bad", task={"n": 2**70})]})
-    assert client.post("/batch", content=big_task, timeout=5).status_code == 422
-    late = client.post("/rewards", json={"rollout_id": "before", "value": 1.0, "llm_call_index": BIG}, timeout=5)
+    assert client.post("/batch", content=big_task, timeout=30).status_code == 422
+    late = client.post("/rewards", json={"rollout_id": "before", "value": 1.0, "llm_call_index": BIG}, timeout=30)
     assert late.status_code == 422 and "llm_call_index" in late.text
     for path, params in (("/rewards", {"after": 2**64}), ("/rewards", {"limit": 2**64}),
                          ("/rollouts", {"limit": 2**64}), ("/rollouts", {"min_policy_version": 2**64})):
-        resp = client.get(path, params=params, timeout=5)
+        resp = client.get(path, params=params, timeout=30)
         assert resp.status_code == 422, (path, params, resp.status_code, resp.text)
-    page = client.post("/rollouts/page", json={"offset": 2**64}, timeout=5)
+    page = client.post("/rollouts/page", json={"offset": 2**64}, timeout=30)
     assert page.status_code == 422
-    enqueue = client.post("/queue/enqueue", json={"task": _nested(MAX_JSON_DEPTH + 5)}, timeout=5)
+    enqueue = client.post("/queue/enqueue", json={"task": _nested(MAX_JSON_DEPTH + 5)}, timeout=30)
     assert enqueue.status_code == 422 and "task" in enqueue.text
-    _lands_within_a_second(lambda body: client.post("/batch", json=body), srv.db, "after")
+    _lands(lambda body: client.post("/batch", json=body), srv.db, "after")
 
 
 # -- 4. a task nested beyond what the encoder writes, through @trace ---------------------------------------
@@ -150,7 +150,7 @@ def test_a_task_too_deep_or_too_big_is_recorded_in_a_safe_form_and_never_raised(
 
     t0 = time.monotonic()
     assert fine("ordinary") == 0.5
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < NOT_WEDGED_S
     rollouts = {r.name: r for r in traced.rollouts()}
     deep, big = [r for r in traced.rollouts() if r.name == "agent"]
     assert isinstance(deep.task, str) and deep.task.startswith("[[[[") and len(deep.task) <= 1100
@@ -191,7 +191,7 @@ def test_a_record_sqlite_cannot_bind_is_quarantined_and_the_rest_is_written(trac
 
     t0 = time.monotonic()
     assert agent("x") == 1.0
-    assert time.monotonic() - t0 < 2.0  # before: the writer retried 30 s, then spilled this and all after it
+    assert time.monotonic() - t0 < NOT_WEDGED_S  # before: the writer retried 30 s, then spilled this and all after it
     rid = traced.rollouts()[0].rollout_id
     (traj,) = lrl.trajectories(traced)
     assert traj.status == RolloutStatus.SUCCEEDED and traj.final_reward == 1.0
@@ -291,9 +291,9 @@ def _finish_lands(gw, store) -> None:
     other = _open(gw, task="other")
     t0 = time.monotonic()
     done = httpx.post(f"{gw.url}/v1/rollouts/{other['rollout_id']}/finish", json={"reward": 1.0},
-                      headers={"authorization": f"Bearer {other['api_key']}"}, timeout=5)
+                      headers={"authorization": f"Bearer {other['api_key']}"}, timeout=30)
     assert done.status_code == 200, done.text
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < NOT_WEDGED_S
     assert store.get_rollout(other["rollout_id"]).status == RolloutStatus.SUCCEEDED
     assert store.spill_files == []
 
@@ -302,17 +302,17 @@ def test_one_rollout_key_cannot_wedge_the_store_through_the_gateway(gateway, tra
     opened = _open(gateway, task="mine")
     key = {"authorization": f"Bearer {opened['api_key']}"}
     late = _otlp_json("00000000000000aa", start=2**64 - 1, end=2**64 - 1)
-    resp = httpx.post(gateway.url + "/v1/traces", json=late, headers=key, timeout=5)
+    resp = httpx.post(gateway.url + "/v1/traces", json=late, headers=key, timeout=30)
     assert resp.status_code == 400 and "startTimeUnixNano" in resp.text, resp.text
     array_op = _otlp_json("00000000000000ab", attributes=[
         {"key": semconv.GEN_AI_OPERATION_NAME, "value": {"arrayValue": {"values": [{"stringValue": "chat"}]}}}])
-    resp = httpx.post(gateway.url + "/v1/traces", json=array_op, headers=key, timeout=5)
+    resp = httpx.post(gateway.url + "/v1/traces", json=array_op, headers=key, timeout=30)
     assert resp.status_code == 400 and semconv.GEN_AI_OPERATION_NAME in resp.text, resp.text
     big_attempt = httpx.post(gateway.url + "/v1/rollouts", json={"task": 1, "attempt": BIG},
-                             headers={"authorization": f"Bearer {TOKEN}"}, timeout=5)
+                             headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert big_attempt.status_code == 422 and "attempt" in big_attempt.text
     deep_task = httpx.post(gateway.url + "/v1/rollouts", json={"task": _nested(MAX_JSON_DEPTH + 5)},
-                           headers={"authorization": f"Bearer {TOKEN}"}, timeout=5)
+                           headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert deep_task.status_code == 422 and "task" in deep_task.text
     _finish_lands(gateway, traced)
 

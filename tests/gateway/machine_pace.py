@@ -22,7 +22,8 @@ from ..conftest import SERVED_NAME
 #: how many times the measured time a run may take: the load can grow during the run, and a CLI does work of
 #: its own between calls (its tool, its sandbox), so the factor is wide; a hang still ends in minutes
 SLACK = 5.0
-#: the shortest limit: a process start and a call measured at their fastest leave no room for a CLI's own pauses
+#: the shortest limit: a CLI's own start (configuration, session, plugins) is more than printing its version, and a
+#: call measured at its fastest leaves no room for the CLI's pauses
 FLOOR_S = 30.0
 
 
@@ -45,9 +46,8 @@ def start_seconds(binary: str) -> float:
     return time.monotonic() - began
 
 
-def cli_time_limit(engine: str, binary: str, *, calls: int, prompt_tokens: int = 18_000,
-                   floor: float = FLOOR_S) -> float:
+def cli_time_limit(engine: str, binary: str, *, calls: int, prompt_tokens: int = 18_000) -> float:
     """A limit for a run of ``binary`` that makes about ``calls`` engine calls of ``prompt_tokens`` tokens
-    (module doc): ``SLACK`` times the measured start and calls, at least ``floor`` seconds."""
+    (module doc): ``SLACK`` times the measured start and calls, at least ``FLOOR_S``."""
     start, call = start_seconds(binary), call_seconds(engine, prompt_tokens)
-    return max(floor, SLACK * (start + calls * call))
+    return max(FLOOR_S, SLACK * (start + calls * call))

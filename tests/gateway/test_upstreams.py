@@ -4,6 +4,7 @@ a new rollout goes to the least busy. Two fake OpenAI-compatible engines that co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -20,7 +21,9 @@ from fastapi import FastAPI, Request  # noqa: E402 (module level: the route's an
 from ..services import wait_healthy
 
 
-def fake_engine(name: str, hits: list[str]):
+def fake_engine(name: str, hits: list[str], release: threading.Event | None = None):
+    """An engine that answers ``name``; a message starting "slow" is answered after a second, one starting
+    "hold" once ``release`` is set (at most a minute)."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
@@ -30,6 +33,10 @@ def fake_engine(name: str, hits: list[str]):
         hits.append(text)
         if text.startswith("slow"):
             await asyncio.sleep(1.0)
+        if text.startswith("hold") and release is not None:
+            deadline = time.monotonic() + 60
+            while not release.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         return {"id": f"chatcmpl-{name}", "object": "chat.completion", "created": 0, "model": body["model"],
                 "prompt_token_ids": [1, 2, 3],
                 "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [7], "logprobs": None,
@@ -76,33 +83,49 @@ def test_a_rollout_sticks_to_its_engine_and_a_new_one_goes_to_the_least_busy(tra
 
 
 def test_a_rollout_nothing_reaches_for_the_idle_timeout_ends_timed_out_and_a_stop_ends_the_rest(traced):
+    """The other rollout is kept open by a call in flight (an open call keeps a rollout from its idle timeout,
+    however long it takes), not by calls made often enough: on a loaded machine a gap between two calls
+    outlasted the 0.4 s timeout and that rollout timed out too."""
     hits: list[str] = []
-    engine = ServerThread(fake_engine("a", hits), name="fake-a")
+    release = threading.Event()
+    engine = ServerThread(fake_engine("a", hits, release), name="fake-a")
     engine.start("a fake engine")
+    held: threading.Thread | None = None
     try:
         with BackgroundGateway([engine.url], idle_timeout=0.4) as gw:
-            def call(opened: dict) -> int:
-                return httpx.post(opened["base_url"] + "/chat/completions", timeout=10,
-                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code
+            def call(opened: dict, text: str = "hi") -> int:
+                return httpx.post(opened["base_url"] + "/chat/completions", timeout=70,
+                                  json={"model": "m", "messages": [{"role": "user", "content": text}]}).status_code
 
             quiet = httpx.post(f"{gw.url}/v1/rollouts", json={"task": 1}).json()
             busy = httpx.post(f"{gw.url}/v1/rollouts", json={"task": 2}).json()
-            assert call(quiet) == 200
-            deadline = time.monotonic() + 10
-            while traced.get_rollout(quiet["rollout_id"]).status == "running":  # the sweep runs every 0.1 s
+            assert call(quiet) == 200 and call(busy) == 200
+            def hold() -> None:
+                with contextlib.suppress(httpx.HTTPError):  # cut when the gateway stops
+                    call(busy, "hold")
+
+            held = threading.Thread(target=hold)
+            held.start()
+            deadline = time.monotonic() + 60  # a hang guard: the sweep runs every 0.1 s
+            while "hold" not in hits:  # busy's call is in flight
+                assert time.monotonic() < deadline, "the held call never reached the engine"
+                time.sleep(0.01)
+            while traced.get_rollout(quiet["rollout_id"]).status == "running":
                 assert time.monotonic() < deadline, "the idle rollout was never ended"
-                assert call(busy) == 200  # calls keep the other one open
                 time.sleep(0.05)
             ended = traced.get_rollout(quiet["rollout_id"])
             assert ended.status == "timed_out" and "idle timeout" in ended.error
             assert call(quiet) == 409  # its path answers that it has finished
             assert len(lrl.trajectory(traced, quiet["rollout_id"]).llm_calls) == 1  # what it did stays recorded
             assert traced.get_rollout(busy["rollout_id"]).status == "running"
-        # the gateway stopped: the rollout it still had open is ended, not left running for ever
+        # the gateway stopped (its call still open): the rollout it still had open is ended, not left running
         stopped = traced.get_rollout(busy["rollout_id"])
         assert stopped.status == "failed" and "gateway stopped" in stopped.error
-        assert len(lrl.trajectory(traced, busy["rollout_id"]).llm_calls) >= 2
+        assert len(lrl.trajectory(traced, busy["rollout_id"]).llm_calls) >= 1
     finally:
+        release.set()
+        if held is not None:
+            held.join(70)
         engine.stop()
 
 

@@ -62,8 +62,10 @@ def test_runners_on_two_servers_and_direct_run_each_try_once_and_retry_a_dead_ru
     one, two = ServerProcess(pg_url, free_port()).start(), ServerProcess(pg_url, free_port()).start()
     runners: list[subprocess.Popen] = []
     try:
+        go = tmp_path / "go"  # each try waits for it once its spans are written: held in flight until then
         with PostgresStore(pg_url) as db:
-            groups = [db.enqueue({"spans": 3, "sleep": 0.1, "i": i}, n=2, max_tries=3)[0].group_id for i in range(30)]
+            groups = [db.enqueue({"spans": 3, "sleep": 0.1, "i": i, "until": str(go)}, n=2, max_tries=3)[0].group_id
+                      for i in range(30)]
         victim = start_runner(one.url, spill_env, tmp_path / "victim.json", concurrency=4, lease_seconds=2)
         with PostgresStore(pg_url, read_only=True) as db:  # wait until the victim is mid-try
             deadline = time.monotonic() + 60
@@ -75,6 +77,15 @@ def test_runners_on_two_servers_and_direct_run_each_try_once_and_retry_a_dead_ru
         stores = [f"{one.url},{two.url}", f"{two.url},{one.url}", pg_url]
         reports = [tmp_path / f"runner-{k}.json" for k in range(len(stores))]
         runners = [start_runner(url, spill_env, report, idle_exit=5) for url, report in zip(stores, reports)]
+        # every way of reaching the queue takes part: the tries are released once each runner holds a lease (a
+        # runner that started late on a loaded machine once found the queue drained by the others)
+        with PostgresStore(pg_url, read_only=True) as db:
+            deadline = time.monotonic() + 120
+            while not all(any((e.runner or "").startswith(f"runner-{proc.pid}-") for e in db.queue_entries(groups))
+                          for proc in runners):
+                assert time.monotonic() < deadline and all(proc.poll() is None for proc in runners)
+                time.sleep(0.1)
+        go.touch()
         for proc in runners:
             assert proc.wait(300) == 0, proc.stderr.read()[-2000:]
         with PostgresStore(pg_url, read_only=True) as db:

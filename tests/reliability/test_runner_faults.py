@@ -48,7 +48,9 @@ def test_a_hung_sync_agent_times_out(traced):
         took = time.monotonic() - t0
     finally:
         ra.release.set()  # the abandoned threads may finish now
-    assert took < 10, f"run_until_done waited {took:.0f} s for a hung sync agent"
+    # the agent hangs for 120 s: the 1 s rollout timeout ended the wait long before (not a speed target: a loaded
+    # machine takes longer to start the runner and record the tries)
+    assert took < 60, f"run_until_done waited {took:.0f} s for a hung sync agent"
     entries = _check_one_outcome_per_try(traced, groups, 2)
     assert {e.outcome for e in entries} == {RolloutStatus.TIMED_OUT}
     time.sleep(0.5)  # the released agents return 1.0 now: too late, the rollouts stay timed out

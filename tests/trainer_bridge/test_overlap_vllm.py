@@ -21,9 +21,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("peft")
 
 
-def _two_call_agent(client: openai.AsyncOpenAI, slow_seconds: float):
-    """Two model calls with a tool's wait between them; the first group queued is a straggler."""
+def _two_call_agent(client: openai.AsyncOpenAI, store, straggle_until: int):
+    """Two model calls with a tool's wait between them; the first group queued is a straggler: its tool returns
+    once version ``straggle_until`` is published (a fixed 12 s once saw one update only, on a loaded machine)."""
     first_group: list[str] = []
+
+    async def published(version: int) -> None:
+        deadline = asyncio.get_running_loop().time() + 300  # a hang guard
+        while max((p.version for p in store.policies("policy")), default=-1) < version:
+            assert asyncio.get_running_loop().time() < deadline, f"version {version} was never published"
+            await asyncio.sleep(0.1)
 
     @lrl.trace
     async def agent(task):
@@ -32,7 +39,10 @@ def _two_call_agent(client: openai.AsyncOpenAI, slow_seconds: float):
             first_group.append(state.group_id)
         messages = [{"role": "user", "content": f"What is {task['a']}+{task['b']}?"}]
         r = await client.chat.completions.create(model="policy", max_tokens=4, temperature=1.0, messages=messages)
-        await asyncio.sleep(slow_seconds if state.group_id == first_group[0] else 0.3)  # the tool
+        if state.group_id == first_group[0]:  # the tool
+            await published(straggle_until)
+        else:
+            await asyncio.sleep(0.3)
         messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
                      {"role": "user", "content": "Sure?"}]
         r = await client.chat.completions.create(model="policy", max_tokens=4, temperature=1.0, messages=messages)
@@ -45,7 +55,7 @@ def test_overlapped_fit_bounds_staleness_and_a_replay_repeats_its_losses(traced,
     client = openai.AsyncOpenAI(base_url=vllm_url, api_key="EMPTY")
     tasks = [{"a": 20 + i, "b": 30 + i} for i in range(6)]
     config = dict(model_dir=ensure_tiny_model(), n=2, tasks_per_step=2, steps=4, local=LocalConfig(lr=1e-3), seed=3)
-    trainer = Trainer(agent=_two_call_agent(client, slow_seconds=12.0), tasks=tasks, store=traced,
+    trainer = Trainer(agent=_two_call_agent(client, traced, straggle_until=2), tasks=tasks, store=traced,
                       server_url=vllm_url, out_dir=tmp_path / "live", overlap=True, max_staleness=1, progress=False,
                       concurrency=16, **config)
     try:
@@ -61,7 +71,8 @@ def test_overlapped_fit_bounds_staleness_and_a_replay_repeats_its_losses(traced,
         assert {"idle_s", "update_s", "rollouts_per_s", "groups_in_flight", "rollout_is_max"} <= set(line)
     # all 8 groups were queued by the second publish; step 2 trains on groups queued at version 0
     assert behind.get("1", 0) > 0
-    # the straggler (first group, 12 s in its tool) completes after 2+ updates: its calls at version 0 are dropped
+    # the straggler (first group, in its tool until version 2) completes after 2+ updates: its calls at version 0 are
+    # dropped
     assert sum(x["samples_dropped_stale"] for x in train) >= 2 and any(int(lag) >= 2 for lag in behind)
     assert max(x["groups_in_flight"] for x in train) > 0  # rollouts were running during updates
     off = [x for x in train if x["staleness"].get("1")]
