@@ -23,11 +23,16 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: pytest's last line: "3 failed, 1124 passed, 19 skipped, 60 warnings in 1823.47s (0:30:23)"
 SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)\b.*?)"
                      r"(?: in [\d.]+s.*)?\s*=*$")
+#: pytest's short test summary: "FAILED tests/x.py::test_y - AssertionError: ..." (and ERROR for set-up errors)
+FAILURE = re.compile(r"^(?:FAILED|ERROR) \S+")
+#: each failure is quoted again at the end, cut to this many characters, so that the last screen of a long run
+#: (all that CI's log keeps) names what failed
+FAILURE_CHARS = 300
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Suite:
     ended: float = 0.0
     status: int | None = None
     summary: str = ""
+    failures: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
 
     @property
@@ -79,6 +85,8 @@ def run(suite: Suite, prefix: bool, lock: threading.Lock) -> None:
             match = SUMMARY.match(line.strip())
             if match:
                 suite.summary = match.group(1)
+            elif FAILURE.match(line):
+                suite.failures.append(line.rstrip()[:FAILURE_CHARS])
             with lock:
                 sys.stdout.write(f"[{suite.name}] {line}" if prefix else line)
                 sys.stdout.flush()
@@ -98,13 +106,16 @@ def stop(suites: list[Suite]) -> None:
 
 
 def report(suites: list[Suite], began: float) -> list[str]:
-    """One line per step: its result, minutes and pytest's summary; then the whole run's."""
+    """One line per step: its result, minutes and pytest's summary; each test that failed; then the whole run's."""
     lines = ["", "make test, step by step:"]
     for s in suites:
         result = "not run" if s.status is None else "ok" if s.status == 0 else "FAILED"
         minutes = f"{s.minutes:6.1f} min" if s.status is not None else "      -    "
-        lines.append(f"  {s.name:<14} {result:<8} {minutes}  {s.summary or ('' if s.status in (None, 0) else f'exit status {s.status}')}")
+        said = s.summary or ("" if s.status in (None, 0) else f"exit status {s.status}")
+        lines.append(f"  {s.name:<14} {result:<8} {minutes}  {said}")
     failed = [s.name for s in suites if s.status != 0]
+    for s in suites:
+        lines.extend(f"  [{s.name}] {failure}" for failure in s.failures)
     lines.append(f"  {'in all':<14} {'FAILED' if failed else 'ok':<8} {(time.time() - began) / 60:6.1f} min"
                  + (f"  (failed or not run: {', '.join(failed)})" if failed else ""))
     return lines
