@@ -53,16 +53,16 @@ def test_sql_example_gold_queries_run_on_the_shipped_database():
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_continuous_demo_trains_through_the_cli(tmp_path):
-    """examples/continuous/simulate.py, shortened: traffic, late feedback, a bad phase, `lightning-rl train
-    continuous` with its gate."""
+    """examples/continuous/simulate.py, shortened (a candidate a phase): traffic, late feedback, a bad phase,
+    `lightning-rl train continuous` with its gate."""
     from .conftest import ensure_tiny_model
 
     out = tmp_path / "demo"
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "continuous" / "simulate.py"), "--model-dir", str(ensure_tiny_model()),
-         "--minutes", "1", "--rate", "4", "--feedback", "0.9", "--feedback-delay", "2", "--feedback-max", "5",
-         "--min-new", "16", "--temperature", "1.0", "--window", "20", "--gate-tasks", "8", "--bad-from", "0.3",
-         "--bad-until", "0.6", "--out", str(out)],
+         "--learn-updates", "1", "--bad-updates", "1", "--after-updates", "1", "--max-minutes", "8", "--rate", "4",
+         "--feedback", "0.9", "--feedback-delay", "2", "--feedback-max", "5", "--min-new", "16", "--temperature",
+         "1.0", "--window", "20", "--gate-tasks", "8", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -72,7 +72,11 @@ def test_continuous_demo_trains_through_the_cli(tmp_path):
     assert summary["gate_refused"] + summary["gate_promoted"] == summary["updates"]  # every candidate was judged
     assert 0 <= summary["refused_worse"] <= summary["gate_refused"] and summary["bad_feedback_share"] == 1.0
     assert 0 <= summary["max_drop"] <= 1 and summary["rolled_back"] == 0 and summary["bad_feedback"] >= 1
-    assert summary["updates"] >= 1 and summary["rollouts"] >= 100
+    # the phases are counted in candidates, whatever the machine's speed: one before the bad phase, one in it, one
+    # after it, and traffic lasted until they were made (two 20 s windows past the bad phase at least)
+    assert not summary["capped"] and summary["updates"] >= 3 and summary["rollouts"] >= 100
+    bad_from, bad_until, _ = summary["bad_phase"]
+    assert 0 < bad_from < bad_until <= summary["traffic_minutes"] - 40 / 60
     assert 0 < summary["rewards_given"] <= summary["rollouts"] - summary["feedback_never"]
     assert summary["trained_on"] <= summary["rewards_given"]
     assert os.path.getsize(summary["plot"]) > 0

@@ -12,11 +12,13 @@
    whether it is right.
    A fraction of users give feedback (``store.add_reward``: 1.0 right, 0.0 wrong) after a random
    delay (exponential, capped); the others never do.
-4. A bad phase (``--bad-from``/``--bad-until`` minutes of traffic): the users who arrive then give
-   wrong feedback: they reward a confident wrong answer and not a right one (``--bad-kind inverted``),
-   or give a coin flip (``noise``), and every one of them gives it (``--bad-feedback 1.0``: a broken
-   feedback button that answers for every user), so the trainer's batches in the phase are wrong feedback
-   alone. The trainer cannot tell; it trains on it.
+4. Phases counted in the trainer's candidates, not minutes (``Phases``): after ``--learn-updates``
+   candidates a bad phase lasts ``--bad-updates`` more; traffic ends ``--after-updates`` later (or at
+   ``--max-minutes``). The users who arrive in the bad phase give wrong feedback: they reward a
+   confident wrong answer and not a right one (``--bad-kind inverted``), or give a coin flip (``noise``),
+   and every one of them gives it (``--bad-feedback 1.0``: a broken feedback button that answers for every
+   user), so the trainer's batches in the phase are wrong feedback alone. The trainer cannot tell; it
+   trains on it.
 5. The guard: each update is a candidate, evaluated by the gate before it goes live: the production
    agent (``gate_agent.py``) on held-out sums (``--gate-tasks`` of them, never asked in production),
    with the true reward, against the candidate and against the live policy; promoted only when not
@@ -131,15 +133,54 @@ def wait_for_version0(store, trainer: subprocess.Popen, timeout: float = 600.0) 
     raise SystemExit(f"the trainer published nothing in {timeout:.0f}s")
 
 
+class Phases:
+    """Where traffic stands, counted in the trainer's candidates (its ``metrics.jsonl`` lines: every update
+    trained, promoted or refused), not in minutes: a slower machine makes fewer updates a minute, and a phase
+    measured in minutes then taught less before the bad phase and held too few candidates trained on wrong
+    feedback (a loaded machine made 3 updates in 6 minutes). ``learn`` until ``--learn-updates`` candidates,
+    ``bad`` (the wrong feedback) for ``--bad-updates`` more, then ``after`` for ``--after-updates`` more and at
+    least two windows, so that the last minute measured is past the bad phase; traffic ends then, or at
+    ``--max-minutes`` (``capped``)."""
+
+    def __init__(self, args: argparse.Namespace, metrics: Path, t0: float) -> None:
+        self.args, self.metrics, self.t0 = args, metrics, t0
+        self.name = "learn"
+        self.bad_from: float | None = None  # seconds of traffic
+        self.bad_until: float | None = None
+        self.capped = False
+
+    def candidates(self) -> int:
+        try:
+            return self.metrics.read_text().count("\n")
+        except FileNotFoundError:
+            return 0
+
+    def update(self, now: float) -> bool:
+        """Move on as the trainer's candidates say; False once traffic must end."""
+        at, done, a = now - self.t0, self.candidates(), self.args
+        if self.name == "learn" and done >= a.learn_updates:
+            self.name, self.bad_from = "bad", at
+        if self.name == "bad" and done >= a.learn_updates + a.bad_updates:
+            self.name, self.bad_until = "after", at
+        if at >= a.max_minutes * 60:
+            self.capped = True
+            return False
+        return not (self.name == "after" and done >= a.learn_updates + a.bad_updates + a.after_updates
+                    and at >= self.bad_until + 2 * a.window)
+
+    @property
+    def bad(self) -> bool:
+        return self.name == "bad"
+
+
 async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0: float,
-                  held_out: set[tuple[int, int]]) -> list[Answer]:
-    """Questions at Poisson times for ``args.minutes`` (never a held-out one); feedback after its delay
-    while traffic lasts."""
+                  held_out: set[tuple[int, int]], phases: Phases) -> list[Answer]:
+    """Questions at Poisson times (never a held-out one) until ``phases`` ends traffic; feedback after its
+    delay while traffic lasts."""
     tasks = make_tasks(100_000, seed=args.seed, exclude=held_out)
     answers: list[Answer] = []
     in_flight = asyncio.Semaphore(args.concurrency)
     running: set[asyncio.Task] = set()
-    end = t0 + args.minutes * 60
 
     async def feedback(answer: Answer) -> None:
         await asyncio.sleep(max(0.0, t0 + answer.finished + answer.feedback_delay - time.time()))
@@ -147,7 +188,7 @@ async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0
                                 name=args.reward_name, uid=f"feedback-{answer.rollout_id}")
         answer.feedback_given = True
 
-    async def user(task: dict, arrived: float, delay: float | None) -> None:
+    async def user(task: dict, arrived: float, delay: float | None, bad: bool) -> None:
         rollout_id = uuid.uuid4().hex
         async with in_flight:
             with lrl.rollout_overrides(rollout_id=rollout_id):
@@ -158,7 +199,7 @@ async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0
                     text = None
         answer = Answer(rollout_id, arrived, time.time() - t0,
                         text is not None and text.strip() == str(task["a"] + task["b"]), delay,
-                        bad=args.bad_from * 60 <= arrived < args.bad_until * 60, failed=text is None)
+                        bad=bad, failed=text is None)
         answers.append(answer)
         if delay is not None and not answer.failed:
             await feedback(answer)
@@ -167,17 +208,18 @@ async def traffic(agent, store, args: argparse.Namespace, rng: random.Random, t0
     next_at = t0
     while True:
         next_at += rng.expovariate(args.rate)
-        if next_at >= end:
+        while time.time() < next_at:  # the phase is checked while waiting for the next user
+            if not phases.update(time.time()):
+                break
+            await asyncio.sleep(min(0.5, max(0.0, next_at - time.time())))
+        if not phases.update(max(time.time(), next_at)):
             break
-        await asyncio.sleep(max(0.0, next_at - time.time()))
-        in_bad_phase = args.bad_from * 60 <= next_at - t0 < args.bad_until * 60
-        gives = rng.random() < (args.bad_feedback if in_bad_phase else args.feedback)
+        gives = rng.random() < (args.bad_feedback if phases.bad else args.feedback)
         delay = min(rng.expovariate(1 / args.feedback_delay), args.feedback_max) if gives else None
-        task = asyncio.create_task(user(tasks[i], next_at - t0, delay))
+        task = asyncio.create_task(user(tasks[i], next_at - t0, delay, phases.bad))
         running.add(task)
         task.add_done_callback(running.discard)
         i += 1
-    await asyncio.sleep(max(0.0, end - time.time()))
     # Traffic is over: requests still running are not counted, feedback still to come is never given.
     pending = [t for t in running if not t.done()]
     for t in pending:
@@ -251,7 +293,14 @@ def stop(process: subprocess.Popen, timeout: float = 30.0) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="continuous training from simulated production traffic (CPU)")
-    parser.add_argument("--minutes", type=float, default=6.0, help="minutes of traffic (real time)")
+    parser.add_argument("--learn-updates", type=int, default=6,
+                        help="candidates the trainer makes before the bad phase (Phases)")
+    parser.add_argument("--bad-updates", type=int, default=4,
+                        help="candidates it makes while the bad phase lasts (0: no bad phase)")
+    parser.add_argument("--after-updates", type=int, default=4,
+                        help="candidates it makes after the bad phase, before traffic ends")
+    parser.add_argument("--max-minutes", type=float, default=30.0,
+                        help="traffic ends then whatever the phase (the summary says capped)")
     parser.add_argument("--rate", type=float, default=5.0, help="questions per second (Poisson)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
     parser.add_argument("--feedback", type=float, default=0.7, help="fraction of users who give feedback")
@@ -269,8 +318,6 @@ def main() -> None:
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer (OMP_NUM_THREADS): it shares the cores with vLLM")
     parser.add_argument("--window", type=float, default=30.0, help="seconds per success window")
-    parser.add_argument("--bad-from", type=float, default=3.0, help="minute of traffic the bad phase begins")
-    parser.add_argument("--bad-until", type=float, default=4.5, help="minute of traffic it ends (= --bad-from: none)")
     parser.add_argument("--bad-feedback", type=float, default=1.0,
                         help="fraction of the bad phase's users who give (wrong) feedback")
     parser.add_argument("--bad-kind", choices=["inverted", "noise"], default="inverted",
@@ -280,6 +327,9 @@ def main() -> None:
     parser.add_argument("--gate-confidence", type=float, default=0.9)
     add_run_arguments(parser, "demo-continuous")
     args = parser.parse_args()
+    for name in ("learn_updates", "bad_updates", "after_updates"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} is a count of candidates, got {getattr(args, name)}")
     started = time.time()
     out = fresh_run(args.out, args.model_dir)
     check_cli(args)
@@ -308,9 +358,13 @@ def main() -> None:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=120)
         agent = make_production_agent(client, args.temperature)
         t0 = time.time()
-        print(f"traffic: {args.rate}/s for {args.minutes} min, {args.feedback:.0%} of users give feedback "
-              f"after ~{args.feedback_delay:.0f}s (at most {args.feedback_max:.0f}s)", flush=True)
-        answers = asyncio.run(traffic(agent, store, args, rng, t0, held_out))
+        print(f"traffic: {args.rate}/s, {args.feedback:.0%} of users give feedback after ~{args.feedback_delay:.0f}s "
+              f"(at most {args.feedback_max:.0f}s); the bad phase after {args.learn_updates} candidates, for "
+              f"{args.bad_updates}; traffic ends {args.after_updates} candidates later (at most "
+              f"{args.max_minutes:g} min)", flush=True)
+        phases = Phases(args, out / "trainer" / "metrics.jsonl", t0)
+        answers = asyncio.run(traffic(agent, store, args, rng, t0, held_out, phases))
+        traffic_seconds = time.time() - t0
         stop(trainer)
         store.flush()
 
@@ -321,10 +375,12 @@ def main() -> None:
     updates = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     first_update = next((at for v, at in publishes if v >= 1), None)
     width = args.window
-    wins = windows(answers, width, args.minutes)
-    before_end = min(first_update if first_update is not None else args.minutes * 60, 2 * width)
+    wins = windows(answers, width, traffic_seconds / 60)
+    before_end = min(first_update if first_update is not None else traffic_seconds, 2 * width)
     before = [a for a in answers if a.arrived < before_end]
-    after = [a for a in answers if a.arrived >= args.minutes * 60 - 2 * width]
+    after = [a for a in answers if a.arrived >= traffic_seconds - 2 * width]
+    bad_from = phases.bad_from if phases.bad_from is not None else traffic_seconds
+    bad_until = phases.bad_until if phases.bad_until is not None else traffic_seconds
     by_version: dict[int, list[bool]] = {}
     served = {r.rollout_id: r.policy_version for r in store.rollouts(mode="prod")}
     for a in answers:
@@ -332,7 +388,7 @@ def main() -> None:
     success_before, success_after = rate(before), rate(after)
     plot_path = out / "production.png"
     guard = (f"gate: {args.gate_tasks} held-out sums, margin {args.gate_margin:g}" if gate_path else "no gate")
-    plot(plot_path, wins, publishes, refused, (args.bad_from, args.bad_until),
+    plot(plot_path, wins, publishes, refused, (bad_from / 60, bad_until / 60),
          f"calculator agent in production (temperature {args.temperature:g}), seed {args.seed}; {guard}\n"
          f"{args.rate:g} questions/s, {args.feedback:.0%} give feedback; trainer: min_new {args.min_new}, "
          f"lr {args.lr:g}, max_policy_lag {args.max_policy_lag}")
@@ -353,10 +409,13 @@ def main() -> None:
                              for u in updates),
         "gate_promoted": sum(d.decision == "promoted" for d in decisions),
         "rolled_back": sum(d.decision == "rolled_back" for d in decisions),
-        "bad_phase": [args.bad_from, args.bad_until, args.bad_kind],
+        "bad_phase": [round(bad_from / 60, 2), round(bad_until / 60, 2), args.bad_kind],  # minutes of traffic
+        "phases": {"learn_updates": args.learn_updates, "bad_updates": args.bad_updates,
+                   "after_updates": args.after_updates},
+        "capped": phases.capped,  # traffic ended at --max-minutes, before the phases had their candidates
         "bad_feedback": sum(a.bad and a.feedback_given for a in answers),
         "first_update_at_min": None if first_update is None else round(first_update / 60, 2),
-        "traffic_minutes": args.minutes,
+        "traffic_minutes": round(traffic_seconds / 60, 2),
         "minutes": round(minutes, 2),
         "updates": len(updates),  # candidates trained (with the gate: promoted or refused)
         "rollouts": len(answers),
