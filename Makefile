@@ -116,14 +116,15 @@ model: $(MODEL_DIR)/config.json
 # make test: scripts/run_suites.py runs the set-up (what the main suite needs, two builds at a time: pip and npm run on
 # one core each, and the tiny model's build on both), then two lanes side by side: the main suite in TEST_WORKERS
 # pytest-xdist workers (a file's tests in one worker; tests/conftest.py), and a lane that builds each other environment,
-# then runs its suite. A failed suite stops nothing else; the run ends with one line per step: its result and minutes.
+# then runs its suite. The main suite prints its 30 slowest tests. A failed suite stops nothing else; the run ends with
+# one line per step (its result and minutes), then every test that failed.
 # (The steps call `make`, not $(MAKE): `make -n test` must not run them.)
 TEST_WORKERS ?= 3
 OTHER_SUITES := verl-env,verl,frameworks-env,frameworks,adk-env,adk,verl-e2e-env,verl-e2e
 test: disk-check
 	$(PYTHON) scripts/run_suites.py --lane main --lane $(OTHER_SUITES) \
 	  "set-up=make -j2 --output-sync=target all" \
-	  "main=$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile" \
+	  "main=$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30" \
 	  "verl-env=make venv-verl" \
 	  "verl=$(VERL_VENV)/bin/python -m pytest -q -m 'verl or ray' tests/trainer_bridge" \
 	  "frameworks-env=make venv-frameworks" \
