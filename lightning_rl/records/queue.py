@@ -13,9 +13,21 @@ from ..boundaries import Int64
 from .rollouts import Mode, RolloutStatus, _Record
 
 class QueueStatus(StrEnum):
+    """``queued`` -> ``leased`` -> ``done`` (a lease that expires queues the try again); ``queued`` or
+    ``leased`` -> ``cancelled`` (``TaskQueue.cancel``: no runner takes it again, its result is refused)."""
+
     QUEUED = "queued"
     LEASED = "leased"
     DONE = "done"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        """No runner works on the try any more (done, or cancelled): nothing waits for it."""
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({QueueStatus.DONE, QueueStatus.CANCELLED})
 
 
 #: Sampling parameters a trainer may impose on every request of a rollout (``rollout_overrides(sampling=)``).

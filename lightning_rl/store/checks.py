@@ -155,6 +155,22 @@ def check_overrides(overrides: Any) -> dict[str, Any] | None:
     return out or None
 
 
+#: the longest reason ``cancel`` keeps (it becomes the error text of a cancelled try's rollout)
+MAX_CANCEL_REASON = 4096
+
+
+def check_cancel(queue_ids: Any, reason: Any) -> list[str]:
+    """What ``cancel`` takes: a list (or tuple) of queue ids, and a reason that is a string. Returns the ids."""
+    if (isinstance(queue_ids, (str, bytes)) or not isinstance(queue_ids, Sequence)
+            or not all(isinstance(q, str) and q for q in queue_ids)):
+        raise ConfigurationError(f"cancel takes a list of queue ids (QueueEntry.queue_id, non-empty strings), got "
+                                 f"{shown(queue_ids)}; give e.g. cancel([entry.queue_id])")
+    if not isinstance(reason, str) or len(reason) > MAX_CANCEL_REASON:
+        raise ConfigurationError(f"cancel's reason must be a string of at most {MAX_CANCEL_REASON} characters, got "
+                                 f"{shown(reason)}; give e.g. reason='the trainer stopped waiting'")
+    return list(queue_ids)
+
+
 def check_idle_seconds(idle_seconds: Any) -> None:
     if not (isinstance(idle_seconds, (int, float)) and idle_seconds > 0):
         raise ConfigurationError(f"idle_seconds must be a number of seconds > 0, got {idle_seconds!r}")

@@ -8,7 +8,8 @@ store asks for that part.
 * ``RolloutIndex``: the questions a store answers without reading every record (SQL where it has it,
   a scan in the memory store; ``store/scan.py``).
 * ``RewardLog``: late rewards (user feedback) and the rewards a poller has not seen.
-* ``TaskQueue``: tasks tried n times, leased to runners (the rules: ``store/task_queue.py``).
+* ``TaskQueue``: tasks tried n times, leased to runners, cancelled by whoever queued them (the rules:
+  ``store/task_queue.py``).
 * ``PolicyLog``: which weights each served name answers with, and the decisions about them (the gate's,
   rollbacks).
 * ``Store``: all of them, plus ingest, erasure, the quarantine and closing.
@@ -127,6 +128,14 @@ class TaskQueue(Protocol):
     def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
         """Record a try's outcome, after the records written so far (an outcome never overtakes the
         rollout it reports on). False if ``runner`` no longer holds the lease (it expired)."""
+        ...
+
+    def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:
+        """Cancel the tries ``queue_ids`` that are queued or leased: no runner leases them again, and the runner
+        holding one is refused (``heartbeat`` and ``complete`` answer False); a leased try's rollout is
+        ``timed_out`` whatever it reports, with ``reason`` in its error. Returns the ids among ``queue_ids`` that
+        are cancelled (also those cancelled before: a retry gets the same answer); done and unknown ones are
+        left out."""
         ...
 
     def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]: ...

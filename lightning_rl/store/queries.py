@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from ..diagnostics import count
 from ..errors import ConfigurationError, RolloutNotFoundError, shown
-from ..records import QueueStatus, RolloutStatus, Sample, Trajectory
+from ..records import RolloutStatus, Sample, Trajectory
 from .assembly import assemble
 from .checks import check_idle_seconds
 from .protocols import PolicyLog, RolloutIndex, RolloutReader, SpanSink, TaskQueue
@@ -140,9 +140,9 @@ def expire_idle_running(store: _SweptStore, idle_seconds: float, *, origin: str 
 
 def wait_for_groups(queue: TaskQueue, group_ids: Sequence[str], *, timeout: float | None = None,
                     poll: float = 0.1) -> bool:
-    """Wait until every try of these groups is done (polling every ``poll`` s); False on timeout."""
+    """Wait until every try of these groups is done or cancelled (polling every ``poll`` s); False on timeout."""
     def pending() -> int:
-        return sum(1 for e in queue.queue_entries(group_ids) if e.status != QueueStatus.DONE)
+        return sum(1 for e in queue.queue_entries(group_ids) if not e.status.finished)
 
     return wait_until(pending, lambda n: n == 0, timeout, poll=poll) == 0
 

@@ -16,7 +16,13 @@ Rules:
   the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused). A done entry
   keeps the runner that completed it, so that runner repeating the same outcome (a retry after a lost
   answer) is told yes again.
-* ``queries.wait_for_groups(store, group_ids)`` waits until every entry of those groups is done.
+* ``cancel(queue_ids, reason=)`` ends tries that are queued or leased: they are ``cancelled``, never leased
+  again (an expired lease does not bring one back), and the runner holding one is refused: its
+  ``heartbeat`` and ``complete`` answer False (a refused result is counted,
+  ``queue_results_refused_cancelled``). A leased try's rollout is marked as an expired one's is
+  (``expire_rollout``): ``timed_out`` whatever its runner reports, before or after, with the reason as its
+  error. Done tries are left as they are; a try cancelled before is answered again (a retried request).
+* ``queries.wait_for_groups(store, group_ids)`` waits until every entry of those groups is done or cancelled.
 * The cost of a lease does not grow with the work in flight: the expiry sweep reads only the leased
   entries whose lease ran out (``QueueView.expired``, an index on leased rows' expiry) and a retried
   request's entries are found by runner and key (``QueueView.held``), never by reading every leased row.
@@ -39,9 +45,10 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from ..diagnostics import count
 from ..errors import ConfigurationError
 from ..records import Mode, QueueEntry, QueueStatus, Rollout, RolloutStatus
-from .checks import check_overrides, check_task
+from .checks import check_cancel, check_overrides, check_task
 
 T = TypeVar("T")
 Txn = Callable[[Callable[["QueueView"], T]], T]
@@ -111,14 +118,44 @@ def heartbeat(view: QueueView, queue_id: str, runner: str, lease_seconds: float,
     return True
 
 
-def complete(view: QueueView, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+def complete(view: QueueView, queue_id: str, runner: str,
+             outcome: RolloutStatus | str) -> tuple[bool, QueueStatus | None]:
+    """Whether the outcome is recorded (True also when this runner recorded it before: a retried request),
+    and the status of the entry as found (None: none that ``runner`` held, or holds)."""
     outcome = RolloutStatus(outcome)
     entry = _held(view, queue_id, runner)
     if entry is None:  # already done by this runner with this outcome: a retried request, same answer
-        done = view.select(status=[QueueStatus.DONE], queue_id=queue_id)
-        return bool(done) and done[0].runner == runner and done[0].outcome == outcome
+        found = view.select(status=[QueueStatus.DONE, QueueStatus.CANCELLED], queue_id=queue_id)
+        if not found:  # unknown, or another runner's lease
+            return False, None
+        ended = found[0]
+        return ended.status == QueueStatus.DONE and ended.runner == runner and ended.outcome == outcome, ended.status
     view.put([entry.model_copy(update={"status": QueueStatus.DONE, "outcome": outcome, "lease_expires": None})])
-    return True
+    return True, QueueStatus.LEASED
+
+
+#: What ``cancel`` ends (a done try is left as it is; a cancelled one stays so).
+CANCELLABLE = (QueueStatus.QUEUED, QueueStatus.LEASED)
+
+
+def cancel(view: QueueView, queue_ids: Sequence[str]) -> list[QueueEntry]:
+    """Cancel each named entry that is queued or leased (module doc). Returns the named entries that are
+    cancelled now, in the order named, each as it was found: a leased one's try is to be marked
+    (``expire_rollout``), one cancelled before is returned as it is (a retried request, same answer)."""
+    out = []
+    for queue_id in dict.fromkeys(queue_ids):
+        found = view.select(status=[*CANCELLABLE, QueueStatus.CANCELLED], queue_id=queue_id)
+        if not found:
+            continue  # unknown, or done
+        if found[0].status in CANCELLABLE:
+            view.put([found[0].model_copy(update={"status": QueueStatus.CANCELLED, "lease_expires": None})])
+        out.append(found[0])
+    return out
+
+
+def cancelled_try(entry: QueueEntry, reason: str) -> str:
+    """The error text of a cancelled try's rollout."""
+    return f"the queue cancelled this try of runner {entry.runner!r}" + (f": {reason}" if reason else "")
 
 
 def wait_until(check: Callable[[], T], done: Callable[[T], bool], timeout: float | None, poll: float = 0.05) -> T:
@@ -245,7 +282,29 @@ def heartbeat_in(txn: Txn, queue_id: str, runner: str, lease_seconds: float) -> 
 
 
 def complete_in(txn: Txn, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
-    return txn(lambda view: complete(view, queue_id, runner, outcome))
+    recorded, status = txn(lambda view: complete(view, queue_id, runner, outcome))
+    if status == QueueStatus.CANCELLED:
+        count("queue_results_refused_cancelled")  # its runner ran a try nobody waits for any more
+    return recorded
+
+
+def cancel_in(txn: Txn, queue_ids: Sequence[str], reason: str,
+              expire: Callable[[QueueView, QueueEntry, str], None]) -> list[str]:
+    """:func:`cancel` in one transaction; ``expire(view, entry, why)`` marks a leased try's rollout (in that
+    transaction, or queued to the store's writer). Returns the ids of the named tries that are cancelled."""
+    ids = check_cancel(queue_ids, reason)
+
+    def run(view: QueueView) -> list[QueueEntry]:
+        found = cancel(view, ids)
+        for entry in found:
+            if entry.status == QueueStatus.LEASED and entry.rollout_id:
+                expire(view, entry, cancelled_try(entry, reason))
+        return found
+
+    found = txn(run) if ids else []
+    if newly := sum(e.status in CANCELLABLE for e in found):
+        count("queue_tries_cancelled", newly)
+    return [e.queue_id for e in found]
 
 
 def entries_in(txn: Txn, group_ids: Sequence[str] | None) -> list[QueueEntry]:

@@ -225,7 +225,7 @@ def test_a_header_with_control_bytes_is_refused_by_the_http_layer(live):
 
 
 WRITE_ROUTES = ["/batch", "/rewards", "/rollout_data", "/queue/enqueue", "/queue/lease", "/queue/heartbeat",
-                "/queue/complete", "/queue/entries"]
+                "/queue/complete", "/queue/cancel", "/queue/entries"]
 
 
 @SETTINGS

@@ -149,6 +149,7 @@ def test_a_runner_token_records_and_leases_but_reads_no_rollout_and_erases_nothi
     with pytest.raises(lrl.RolloutNotFoundError):
         runner.add_reward("ghost", 1.0)
     # what it may not do: 403 at once (not retried for retry_for), naming the role needed
+    (spare,) = admin.enqueue({"a": 1, "b": 1}, n=1)  # a queued try only the trainer may cancel
     refused = {
         "spans": lambda: runner.spans(rid), "rewards": lambda: runner.rewards(rid),
         "rollout": lambda: runner.get_rollout(rid), "rollouts": lambda: runner.rollouts(),
@@ -158,6 +159,7 @@ def test_a_runner_token_records_and_leases_but_reads_no_rollout_and_erases_nothi
         "decide": lambda: runner.record_decision("policy", 7, "rolled_back", live_version=8),
         "quarantine": lambda: runner.quarantined(), "rewarded": lambda: runner.rewarded_since(0),
         "whole queue": lambda: runner.queue_entries(),  # only the groups it names
+        "cancel": lambda: runner.cancel([spare.queue_id]),  # the trainer's, as enqueueing is
     }
     t0 = time.monotonic()
     for what, call in refused.items():
@@ -165,16 +167,18 @@ def test_a_runner_token_records_and_leases_but_reads_no_rollout_and_erases_nothi
             call()
         text = str(no.value)
         assert "HTTP 403" in text and "this token is a runner token" in text and "\n" not in text, (what, text)
-        needed = "an admin token" if what in ("erase", "enqueue", "publish", "decide") else "a reader token"
+        needed = "an admin token" if what in ("erase", "enqueue", "cancel", "publish", "decide") else "a reader token"
         assert f"needs {needed}" in text, (what, text)
-    assert time.monotonic() - t0 < 10  # thirteen refusals, none waited out retry_for=30
+    assert time.monotonic() - t0 < 10  # fourteen refusals, none waited out retry_for=30
     raw = httpx.get(f"{served.url}/v1/rollouts/{rid}/spans",
                     headers={"authorization": f"Bearer {minted['runner'].token}"})
     assert raw.status_code == 403 and raw.json()["error"].startswith(f"GET /v1/rollouts/{rid}/spans needs a reader")
     # nothing a refusal touched changed: the rollout is there, no publish, no decision, no new try
     assert admin.get_rollout(rid) and admin.policies() == [] and admin.decisions() == []
-    assert len(admin.queue_entries()) == 2
+    assert len(admin.queue_entries()) == 3 and admin.queue_entries([spare.group_id])[0].status == QueueStatus.QUEUED
     # the admin may do all of it
+    assert admin.cancel([spare.queue_id], reason="by hand") == [spare.queue_id]
+    assert admin.queue_entries([spare.group_id])[0].status == QueueStatus.CANCELLED
     admin.record_policy("policy", 7, adapter="/tmp/v7")
     admin.record_decision("policy", 7, "rolled_back", live_version=8)
     assert runner.latest_policies()["policy"].version == 7 and runner.latest_decisions()["policy"].version == 7
@@ -196,7 +200,8 @@ def test_a_reader_token_reads_everything_and_writes_nothing(served, minted, tmp_
     assert reader.rollout_page(RolloutQuery()).total == 1 and list(reader.rollout_data([rid]))
     assert len(list(lrl.trajectories(reader))) == 1 and reader.rewarded_since(0)[0] == [rid]
     for call in (lambda: reader.lease("r-1"), lambda: reader.add_reward(rid, 1.0),
-                 lambda: reader.delete_rollouts([rid]), lambda: reader.record_policy("policy", 1)):
+                 lambda: reader.delete_rollouts([rid]), lambda: reader.record_policy("policy", 1),
+                 lambda: reader.cancel(["a-queue-id"])):
         with pytest.raises(ConfigurationError, match="HTTP 403.*this token is a reader token"):
             call()
     # a reader's tracer: the batch is refused (403), set aside with the reason, never retried for ever

@@ -1,4 +1,4 @@
-"""The contract every store meets (SQLiteStore and InMemoryStore alike)."""
+"""The contract every store meets (SQLite, memory, HTTP, PostgreSQL and the toy kit backend alike)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import time
 import pytest
 
 import lightning_rl as lrl
-from lightning_rl.records import Reward, RewardSource, RolloutStatus
-from lightning_rl.store import expire_idle_running
+from lightning_rl import diagnostics
+from lightning_rl.records import QueueStatus, Reward, RewardSource, RolloutStatus
+from lightning_rl.store import expire_idle_running, wait_for_groups
 
 from .helpers import llm_span, rollout
 
@@ -176,3 +177,94 @@ def test_decisions_are_kept_beside_the_publishes_with_their_figures(store):
                                                                         "canary_name": "policy-candidate"})
     canary = store.latest_decisions()["policy"]
     assert canary.decision == Decision.CANARY and canary.figures["canary_share"] == 0.1
+
+
+# -- cancelling queued tries (verl's agent loop gives up on a try it queued) --------------------------------
+def _statuses(store, group_id: str) -> dict[str, QueueStatus]:
+    return {e.queue_id: e.status for e in store.queue_entries([group_id])}
+
+
+def test_a_cancelled_queued_try_is_never_leased_and_its_group_is_settled(store):
+    first, second = store.enqueue({"q": 1}, n=2)
+    assert store.cancel([first.queue_id], reason="the trainer stopped waiting") == [first.queue_id]
+    assert _statuses(store, first.group_id) == {first.queue_id: "cancelled", second.queue_id: "queued"}
+    (leased,) = store.lease("r", limit=5)
+    assert leased.queue_id == second.queue_id and store.lease("r", limit=5) == []
+    assert not wait_for_groups(store, [first.group_id], timeout=0)  # the other try still runs
+    assert store.complete(leased.queue_id, "r", "succeeded")
+    assert wait_for_groups(store, [first.group_id], timeout=1)  # a cancelled try is not waited for
+    (cancelled,) = [e for e in store.queue_entries([first.group_id]) if e.queue_id == first.queue_id]
+    assert cancelled.status == QueueStatus.CANCELLED and cancelled.tries == 0 and cancelled.outcome is None
+
+
+def test_a_cancelled_leased_try_loses_its_lease_and_its_result_is_refused_and_counted(store):
+    (entry,) = store.enqueue({"q": 1}, n=1)
+    (held,) = store.lease("runner-1", lease_seconds=30)
+    # its runner started the rollout and keeps running it while the trainer gives up on the try
+    store.start_rollout(lrl.Rollout(rollout_id=held.rollout_id, task={"q": 1}, group_id=held.group_id))
+    store.flush()
+    diagnostics.reset()
+    assert store.cancel([entry.queue_id], reason="verl's external_timeout of 600 s") == [entry.queue_id]
+    assert not store.heartbeat(held.queue_id, "runner-1")  # the runner learns it lost the try
+    store.finish_rollout(held.rollout_id, RolloutStatus.SUCCEEDED, time.time(), None)  # reported anyway
+    assert not store.complete(held.queue_id, "runner-1", "succeeded")
+    assert not store.complete(held.queue_id, "runner-1", "succeeded")  # a retry is refused the same way
+    assert diagnostics.counters().get("queue_results_refused_cancelled") == 2
+    store.flush()
+    stray = store.get_rollout(held.rollout_id)  # kept, never a train rollout that looks normal
+    assert stray.status == RolloutStatus.TIMED_OUT and "cancelled" in stray.error and "external_timeout" in stray.error
+    assert store.rollouts(status="succeeded") == []
+    (after,) = store.queue_entries([entry.group_id])
+    assert after.status == QueueStatus.CANCELLED and after.outcome is None and after.lease_expires is None
+
+
+def test_a_leased_try_cancelled_before_its_agent_started_stays_timed_out_when_it_starts(store):
+    (entry,) = store.enqueue({"q": 1}, n=1)
+    (held,) = store.lease("slow", lease_seconds=30)
+    assert store.cancel([entry.queue_id]) == [entry.queue_id]
+    store.flush()
+    assert store.get_rollout(held.rollout_id).status == RolloutStatus.TIMED_OUT  # a row before it ever starts
+    store.start_rollout(lrl.Rollout(rollout_id=held.rollout_id, task={"q": 1}, group_id=held.group_id))
+    store.finish_rollout(held.rollout_id, RolloutStatus.SUCCEEDED, time.time(), None)
+    store.flush()
+    assert store.get_rollout(held.rollout_id).status == RolloutStatus.TIMED_OUT
+
+
+def test_cancelling_a_done_try_changes_nothing_and_unknown_ids_are_ignored(store):
+    done, waiting = store.enqueue({"q": 1}, n=2)
+    (held,) = store.lease("r")
+    store.start_rollout(lrl.Rollout(rollout_id=held.rollout_id, task={"q": 1}, group_id=held.group_id))
+    store.finish_rollout(held.rollout_id, RolloutStatus.SUCCEEDED, time.time(), None)
+    assert held.queue_id == done.queue_id and store.complete(held.queue_id, "r", "succeeded")
+    before = {e.queue_id: e for e in store.queue_entries([done.group_id])}
+    assert store.cancel([done.queue_id, "no-such-try"]) == []
+    assert {e.queue_id: e for e in store.queue_entries([done.group_id])} == before
+    assert store.get_rollout(held.rollout_id).status == RolloutStatus.SUCCEEDED
+    assert store.complete(held.queue_id, "r", "succeeded")  # its runner's retry is still told yes
+    # several at once, in the order given; a retried request (an answer lost on the way) gets the same answer
+    assert store.cancel([waiting.queue_id, done.queue_id, waiting.queue_id]) == [waiting.queue_id]
+    assert store.cancel([waiting.queue_id]) == [waiting.queue_id]
+    assert store.cancel([]) == []
+
+
+def test_an_expired_lease_does_not_bring_a_cancelled_try_back(store):
+    (entry,) = store.enqueue({"q": 1}, n=1, max_tries=3)
+    (held,) = store.lease("r", lease_seconds=0.1)
+    assert store.cancel([entry.queue_id]) == [entry.queue_id]
+    time.sleep(0.2)  # the lease it had has run out
+    assert store.lease("other", lease_seconds=10) == []
+    (after,) = store.queue_entries([entry.group_id])
+    assert after.status == QueueStatus.CANCELLED and after.tries == 1
+    assert not store.heartbeat(held.queue_id, "r") and not store.complete(held.queue_id, "r", "failed")
+
+
+@pytest.mark.parametrize("bad, named", [("3f2a", "a list of queue ids"), ([1], "a list of queue ids"),
+                                        (None, "a list of queue ids"), ([""], "a list of queue ids")])
+def test_cancel_refuses_what_is_not_a_list_of_queue_ids(store, bad, named):
+    (entry,) = store.enqueue({"q": 1}, n=1)
+    with pytest.raises(lrl.ConfigurationError, match=named) as err:
+        store.cancel(bad)
+    assert repr(bad)[:20] in str(err.value) and "cancel([" in str(err.value)  # the value and the fix
+    with pytest.raises(lrl.ConfigurationError, match="reason"):
+        store.cancel([entry.queue_id], reason=7)
+    assert _statuses(store, entry.group_id) == {entry.queue_id: "queued"}

@@ -6,10 +6,10 @@ Roles (a token holds one or more; ``admin`` may do everything):
   write rollouts, spans, rewards and finishes (``POST /v1/batch``, a late reward ``POST /v1/rewards``),
   lease, heartbeat and complete tries, read the queue entries of named groups (``wait_for_groups``) and
   the publishes and decisions the tracer stamps calls from. Not: any rollout's spans, rewards, task or
-  trajectory, the rollout lists, erasure, enqueueing, publishes, decisions.
+  trajectory, the rollout lists, erasure, enqueueing or cancelling tries, publishes, decisions.
 * ``reader``: the viewer, exports, ``rollouts ls|show``, the doctor: every read, no write.
-* ``admin``: everything, erasure (``store prune``, ``POST /v1/rollouts/delete``), enqueueing, publishes,
-  decisions and rollbacks included: the trainer's token.
+* ``admin``: everything, erasure (``store prune``, ``POST /v1/rollouts/delete``), enqueueing and cancelling
+  tries, publishes, decisions and rollbacks included: the trainer's token.
 
 :data:`ROUTE_ROLES` names, for every route of the app, the roles that may call it; ``create_app``
 refuses to build an app with a route the table does not name (:func:`route_table`), so a route without
@@ -63,12 +63,13 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[str]] = {
     # writing records of rollouts (the tracer's background writer; a late reward)
     ("POST", f"{_P}/batch"): _RUN,
     ("POST", f"{_P}/rewards"): _RUN,
-    # the queue: runners lease, beat and complete; the trainer enqueues
+    # the queue: runners lease, beat and complete; the trainer enqueues and cancels
     ("POST", f"{_P}/queue/lease"): _RUN,
     ("POST", f"{_P}/queue/heartbeat"): _RUN,
     ("POST", f"{_P}/queue/complete"): _RUN,
     ("POST", f"{_P}/queue/entries"): _RUN_OR_READ,
     ("POST", f"{_P}/queue/enqueue"): _ADMIN,
+    ("POST", f"{_P}/queue/cancel"): _ADMIN,
     # publishes and decisions: the tracer reads them to stamp calls; only the trainer records them
     ("GET", f"{_P}/policies"): _RUN_OR_READ,
     ("GET", f"{_P}/decisions"): _RUN_OR_READ,

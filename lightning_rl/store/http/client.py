@@ -17,7 +17,8 @@ which is safe because every one is idempotent in the store: rollouts by id, span
 ``(rollout_id, seq)``, rewards by uid (the client gives every reward one), a finish by the lifecycle
 rules (a terminal state is final), a lease by its key (a retry gets the entries the first request
 leased), a completion by its runner and outcome, an enqueue by its group id (the client makes one and
-sends ``once``), a publish by its served name, version and time.
+sends ``once``), a cancel by its ids (a try cancelled before is answered again), a publish by its served
+name, version and time.
 
 When no server can be reached (or answers 5xx) for about a second, the batch is appended to a
 local spill file instead, and so is everything after it, in order, until a server answers again;

@@ -182,7 +182,7 @@ class StoreRoutes:
                  openapi_extra=body_schema(wire.DeleteRolloutsIn))(self.delete_rollouts)
         app.get(f"{p}/rollout_ids")(self.rollout_ids)
         app.get(f"{p}/quarantine", response_model=list[QuarantinedRecord])(self.quarantine)
-        # the task queue: enqueue, lease, heartbeat, complete, entries
+        # the task queue: enqueue, lease, heartbeat, complete, cancel, entries
         app.post(f"{p}/queue/enqueue", response_model=list[QueueEntry],
                  openapi_extra=body_schema(wire.EnqueueIn))(self.enqueue)
         app.post(f"{p}/queue/lease", response_model=list[QueueEntry],
@@ -191,6 +191,8 @@ class StoreRoutes:
                  openapi_extra=body_schema(wire.HeartbeatIn))(self.heartbeat)
         app.post(f"{p}/queue/complete", response_model=wire.Ok,
                  openapi_extra=body_schema(wire.CompleteIn))(self.complete)
+        app.post(f"{p}/queue/cancel", response_model=wire.Cancelled,
+                 openapi_extra=body_schema(wire.CancelIn))(self.cancel)
         app.post(f"{p}/queue/entries", response_model=list[QueueEntry],
                  openapi_extra=body_schema(wire.GroupsIn))(self.queue_entries)
 
@@ -393,6 +395,12 @@ class StoreRoutes:
         data = await body_of(request, wire.CompleteIn)
         ok = await anyio.to_thread.run_sync(lambda: self.store.complete(data.queue_id, data.runner, data.outcome))
         return json_response({"ok": ok})
+
+    async def cancel(self, request: Request) -> Response:
+        """Cancel queued or leased tries (``TaskQueue.cancel``); the ids among those named that are cancelled."""
+        data = await body_of(request, wire.CancelIn)
+        cancelled = await anyio.to_thread.run_sync(lambda: self.store.cancel(data.queue_ids, reason=data.reason))
+        return json_response({"cancelled": cancelled})
 
     async def queue_entries(self, request: Request) -> Response:
         data = await body_of(request, wire.GroupsIn)

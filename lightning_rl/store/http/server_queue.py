@@ -91,6 +91,16 @@ class ServerQueue:
             if self._sender.spill.files:
                 time.sleep(0.1)
 
+    def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:
+        """As every store's, by the server's store (it marks a leased try's rollout); more than
+        ``wire.MAX_CANCEL_IDS`` ids go as several requests. A retry is answered the same."""
+        ids = checks.check_cancel(queue_ids, reason)
+        cancelled: list[str] = []
+        for start in range(0, len(ids), wire.MAX_CANCEL_IDS):
+            body = dict(queue_ids=ids[start:start + wire.MAX_CANCEL_IDS], reason=reason)
+            cancelled += wire.Cancelled.model_validate(self._request("POST", "/queue/cancel", json=body)).cancelled
+        return cancelled
+
     def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
         data = self._request("POST", "/queue/entries", json={"group_ids": list(group_ids) if group_ids is not None else None})
         return wire.QUEUE_ENTRIES.validate_python(data)

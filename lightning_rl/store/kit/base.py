@@ -200,6 +200,15 @@ class KitStore:
         self.flush()  # the records written so far go first
         return task_queue.complete_in(self._queue_txn, queue_id, runner, outcome)
 
+    def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:
+        """As every store's; a leased try's rollout is marked (``expire_rollout``) and flushed before the answer."""
+        if self.read_only:
+            raise checks.read_only("cancel", self._where)
+        cancelled = task_queue.cancel_in(self._queue_txn, queue_ids, reason,
+                                         lambda view, entry, why: self.expire_rollout(entry, why))
+        self.flush()
+        return cancelled
+
     def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
         return task_queue.entries_in(self._queue_txn, group_ids)
 

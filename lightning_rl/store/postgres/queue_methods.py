@@ -1,6 +1,7 @@
 """The ``PostgresStore``'s task queue (``PostgresQueue``, a base class of it, ``store.py``): the queue's
 transactions on a view that locks as asked, an enqueue serialized by its group id, a lease in one statement on
-the database's clock and a waiting lease woken by NOTIFY (the SQL and the listener: ``queue.py``)."""
+the database's clock and a waiting lease woken by NOTIFY (the SQL and the listener: ``queue.py``), a cancel
+that marks a leased try's rollout in its own transaction."""
 
 from __future__ import annotations
 
@@ -95,6 +96,18 @@ class PostgresQueue:
     def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
         self.flush()  # the records written so far go first
         return task_queue.complete_in(self._queue("wait"), queue_id, runner, outcome)
+
+    def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:
+        """As every store's; a leased try's rollout is marked ``timed_out`` in the cancel's own transaction (no
+        process that dies in between can leave it to end as a success)."""
+        if self._durable is None:
+            raise checks.read_only("cancel", self.shown)
+
+        def expire(view: sql.QueueView, entry: QueueEntry, why: str) -> None:
+            with view.conn.cursor() as cur:
+                sql.expire_try(cur, task_queue.tombstone(entry, why))
+
+        return task_queue.cancel_in(self._queue("wait"), queue_ids, reason, expire)
 
     def queue_entries(self, group_ids: Sequence[str] | None = None) -> list[QueueEntry]:
         return task_queue.entries_in(self._queue(), group_ids)

@@ -25,19 +25,19 @@ In three parts, every name importable from here (``wire.encode``, ``wire.Batch``
 from .checks import check_ops, op_indices
 from .codec import SPILL_LINE, ExpireTryOp, QuarantineOp, SpillOp, batch_body, decode, encode, to_ops
 from .models import (
-    API_PREFIX, CLIENT_BATCH_OPS, MAX_BATCH_OPS, MAX_ID_CHARS, MAX_LEASE_WAIT, QUEUE_ENTRIES, REWARDS, ROLLOUT_DATA,
-    ROLLOUTS, SPAN_KINDS, SPANS, STATUS_CODES, TOKEN_ID_LIMIT, Batch, BatchResult, CompleteIn, DecisionIn,
-    DeleteRolloutsIn, Deleted, EnqueueIn, FinishRolloutOp, GroupsIn, HeartbeatIn, LeaseIn, Ok, PolicyIn,
-    RewardedSince, RewardIn, RewardOp, RolloutData, RolloutIdsIn, SpanAttributes, SpanOp, StartRolloutOp,
-    WireListTokens, WireOp, WireSpan, WireTokens, queue_entry_json,
+    API_PREFIX, CLIENT_BATCH_OPS, MAX_BATCH_OPS, MAX_CANCEL_IDS, MAX_ID_CHARS, MAX_LEASE_WAIT, QUEUE_ENTRIES,
+    REWARDS, ROLLOUT_DATA, ROLLOUTS, SPAN_KINDS, SPANS, STATUS_CODES, TOKEN_ID_LIMIT, Batch, BatchResult, CancelIn,
+    Cancelled, CompleteIn, DecisionIn, DeleteRolloutsIn, Deleted, EnqueueIn, FinishRolloutOp, GroupsIn, HeartbeatIn,
+    LeaseIn, Ok, PolicyIn, RewardedSince, RewardIn, RewardOp, RolloutData, RolloutIdsIn, SpanAttributes, SpanOp,
+    StartRolloutOp, WireListTokens, WireOp, WireSpan, WireTokens, queue_entry_json,
 )
 
 __all__ = [
-    "API_PREFIX", "Batch", "BatchResult", "CLIENT_BATCH_OPS", "CompleteIn", "DecisionIn", "DeleteRolloutsIn",
-    "Deleted", "EnqueueIn", "ExpireTryOp", "FinishRolloutOp", "GroupsIn", "HeartbeatIn", "LeaseIn", "MAX_BATCH_OPS",
-    "MAX_ID_CHARS", "MAX_LEASE_WAIT", "Ok", "PolicyIn", "QUEUE_ENTRIES", "QuarantineOp", "REWARDS", "ROLLOUTS",
-    "ROLLOUT_DATA", "RewardIn", "RewardOp", "RewardedSince", "RolloutData", "RolloutIdsIn", "SPANS", "SPAN_KINDS",
-    "SPILL_LINE", "STATUS_CODES", "SpanAttributes", "SpanOp", "SpillOp", "StartRolloutOp", "TOKEN_ID_LIMIT",
-    "WireListTokens", "WireOp", "WireSpan", "WireTokens", "batch_body", "check_ops", "decode", "encode",
-    "op_indices", "queue_entry_json", "to_ops",
+    "API_PREFIX", "Batch", "BatchResult", "CLIENT_BATCH_OPS", "CancelIn", "Cancelled", "CompleteIn", "DecisionIn",
+    "DeleteRolloutsIn", "Deleted", "EnqueueIn", "ExpireTryOp", "FinishRolloutOp", "GroupsIn", "HeartbeatIn",
+    "LeaseIn", "MAX_BATCH_OPS", "MAX_CANCEL_IDS", "MAX_ID_CHARS", "MAX_LEASE_WAIT", "Ok", "PolicyIn",
+    "QUEUE_ENTRIES", "QuarantineOp", "REWARDS", "ROLLOUTS", "ROLLOUT_DATA", "RewardIn", "RewardOp", "RewardedSince",
+    "RolloutData", "RolloutIdsIn", "SPANS", "SPAN_KINDS", "SPILL_LINE", "STATUS_CODES", "SpanAttributes", "SpanOp",
+    "SpillOp", "StartRolloutOp", "TOKEN_ID_LIMIT", "WireListTokens", "WireOp", "WireSpan", "WireTokens",
+    "batch_body", "check_ops", "decode", "encode", "op_indices", "queue_entry_json", "to_ops",
 ]

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from ... import semconv as sc
 from ...boundaries import NonNegativeInt64
 from ...records import QueueEntry, Reward, RewardSource, Rollout, RolloutStatus, Span
+from ..checks import MAX_CANCEL_REASON
 
 API_PREFIX = "/v1"
 #: Ops per request the client sends, and the most the server accepts.
@@ -158,6 +159,23 @@ class CompleteIn(_Wire):
     queue_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     outcome: RolloutStatus
+
+
+#: the most queue ids one cancel request names (``HttpStore.cancel`` sends more as several requests)
+MAX_CANCEL_IDS = 1000
+
+
+class CancelIn(_Wire):
+    """``POST /v1/queue/cancel``: cancel these tries (``TaskQueue.cancel``)."""
+
+    queue_ids: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(max_length=MAX_CANCEL_IDS)
+    reason: str = Field("", max_length=MAX_CANCEL_REASON)
+
+
+class Cancelled(_Wire):
+    """The ids among those named that are cancelled (done and unknown ones are left out)."""
+
+    cancelled: list[str]
 
 
 class DecisionIn(_Wire):

@@ -72,7 +72,7 @@ class LiveGroups:
 
     def _complete_groups(self) -> list[str]:
         entries = self.store.queue_entries(self._outstanding)
-        open_groups = {e.group_id for e in entries if e.status != QueueStatus.DONE}
+        open_groups = {e.group_id for e in entries if not e.status.finished}  # done or cancelled: closed
         self._done_tries.update(e.queue_id for e in entries if e.status == QueueStatus.DONE)
         return [g for g in self._outstanding if g not in open_groups]
 
