@@ -10,3 +10,6 @@ python bench/gpu_train_step.py --prompt 1024 --response 1024 --batch 16 --micro-
 python bench/gpu_train_step.py --prompt 2048 --response 2048 --batch 8 --micro-batch 2
 # the bf16 vs fp32 log-prob gap and the importance-ratio spread it causes, on the same weights
 python bench/logprob_precision.py --batch 8 --prompt 64 --response 256
+# verl's LoRA sync: the unmerged-adapter actor (bf16 compute) vs the engine's merged weights sent in bf16, with the
+# fp32 merge as the control (its gap must be ~0)
+python bench/logprob_precision.py --lora-merge-bf16 --lora-rank 32 --batch 8 --prompt 64 --response 256
