@@ -109,8 +109,11 @@ screenshots: all
 	LIGHTNING_RL_VIEWER_SCREENSHOTS=1 $(PY) -m pytest -q tests/viewer/test_viewer.py
 
 MODEL_ARGS := --layers 4 --warm-start-steps 1200
+# One build at a time (a test that needs the model runs `make model` too): a second waits for the first's lock, then
+# finds the model built.
 $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
-	$(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)
+	@mkdir -p $(dir $(MODEL_DIR))
+	flock $(MODEL_DIR).lock sh -c '[ $(MODEL_DIR)/config.json -nt scripts/make_tiny_model.py ] || $(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)'
 model: $(MODEL_DIR)/config.json
 
 # make test: scripts/run_suites.py runs the set-up (what the main suite needs, two builds at a time: pip and npm run on
@@ -143,9 +146,10 @@ disk-check:
 	  else echo "make test: $$free GB free on $$d"; fi; \
 	done
 
-# verl's main_ppo (V1, sync) for 2 steps on CPU through `lightning-rl train verl`, then its checkpoint through the
-# gate to a served vLLM (docs/verl.md, "Run on this machine"); make test runs it too.
-test-verl-e2e: venv venv-vllm model venv-verl-e2e
+# verl's main_ppo (V1, sync) on CPU through `lightning-rl train verl` into a PostgreSQL store, then its checkpoint
+# through the gate to a served vLLM (docs/verl.md, "Run on this machine"); make test runs it too. It fails, never
+# skips, when verl or vLLM cannot be imported; it writes .cache/verl-e2e/summary.json.
+test-verl-e2e: venv venv-vllm model venv-verl-e2e postgres
 	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
 
 test-fast: venv postgres

@@ -65,6 +65,19 @@ Set by lightning-rl for a command agent (``lightning_rl.command``, the gateway),
                                    engine (``command(upstream=None)``: a verl server)
 =================================  ==========================================================
 
+Set by ``train verl`` for verl's processes (``trainer_bridge/verl/main.py``):
+
+=================================  ==========================================================
+``LIGHTNING_RL_SECRETS_FILE``      a JSON file (mode 0600) holding ``LIGHTNING_RL_STORE`` and
+                                   ``LIGHTNING_RL_STORE_TOKEN``, read when they are not in the
+                                   environment (Ray logs every actor's environment)
+``LIGHTNING_RL_VERL_VERSION_BASE`` the run's version base: its publishes and call stamps are
+                                   base + verl's global step (``trainer_bridge/verl/runs.py``)
+=================================  ==========================================================
+
+Read by ``train verl``: ``LIGHTNING_RL_SECRETS_DIR``, where it writes that file (a folder every node mounts, for a
+run on several nodes; default: a private temporary folder).
+
 Internal: ``_LIGHTNING_RL_SERVER_ARGS`` carries ``store serve``'s settings to its worker processes.
 """
 
@@ -91,6 +104,12 @@ ENV_QUEUE_SIZE = "LIGHTNING_RL_QUEUE_SIZE"
 ENV_FLUSH_TIMEOUT = "LIGHTNING_RL_FLUSH_TIMEOUT"
 ENV_STORE_TOKEN = "LIGHTNING_RL_STORE_TOKEN"
 ENV_STORE_TOKENS_FILE = "LIGHTNING_RL_STORE_TOKENS_FILE"
+#: A JSON file (mode 0600) of secret variables for processes that must not get them in their environment: a
+#: launcher writes it (``train verl``: Ray logs every actor's runtime environment, verl prints its config).
+ENV_SECRETS_FILE = "LIGHTNING_RL_SECRETS_FILE"
+#: Where ``train verl`` writes that file: a folder every node mounts, for a run on several nodes.
+ENV_SECRETS_DIR = "LIGHTNING_RL_SECRETS_DIR"
+ENV_VERL_VERSION_BASE = "LIGHTNING_RL_VERL_VERSION_BASE"
 ENV_SPILL_DIR = "LIGHTNING_RL_SPILL_DIR"
 ENV_REDACT = "LIGHTNING_RL_REDACT"
 ENV_REDACTED_TOKENS = "LIGHTNING_RL_REDACTED_TOKENS"
@@ -234,9 +253,45 @@ class Settings:
 # is started, by its ENV_ name.
 
 
+#: The variables a secrets file (``LIGHTNING_RL_SECRETS_FILE``) may hold: a store URL may carry a password.
+SECRET_VARIABLES = frozenset({ENV_STORE, ENV_STORE_TOKEN})
+
+
 def variable(name: str) -> str | None:
-    """The value of the variable ``name`` now; None when it is unset or empty."""
-    return os.environ.get(name) or None
+    """The value of the variable ``name`` now; None when it is unset or empty. A secret one (``SECRET_VARIABLES``)
+    not in the environment is read from ``LIGHTNING_RL_SECRETS_FILE`` when that is set."""
+    value = os.environ.get(name) or None
+    if value is None and name in SECRET_VARIABLES and os.environ.get(ENV_SECRETS_FILE):
+        value = secrets_file(os.environ[ENV_SECRETS_FILE]).get(name) or None
+    return value
+
+
+def secrets_dir() -> str | None:
+    """``LIGHTNING_RL_SECRETS_DIR``: where ``train verl`` writes its secrets file (None: a private temporary folder)."""
+    return variable(ENV_SECRETS_DIR)
+
+
+def verl_version_base() -> int:
+    """``LIGHTNING_RL_VERL_VERSION_BASE``: the verl run's version base (0 when unset)."""
+    return int(_number(ENV_VERL_VERSION_BASE, 0, int))
+
+
+def secrets_file(path: str) -> dict[str, str]:
+    """The secret variables in the JSON file ``path`` (``LIGHTNING_RL_SECRETS_FILE``)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigurationError(
+            f"{ENV_SECRETS_FILE}={path} does not exist on this machine; on a run over several nodes give the launcher "
+            f"{ENV_SECRETS_DIR}= a folder every node mounts, or export {ENV_STORE} (and {ENV_STORE_TOKEN}) in the "
+            "shell that runs `ray start` on each node") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"{ENV_SECRETS_FILE}={path} cannot be read ({exc}); it is a JSON object of "
+                                 f"{', '.join(sorted(SECRET_VARIABLES))}") from None
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{ENV_SECRETS_FILE}={path} is not a JSON object of variables")
+    return {k: str(v) for k, v in data.items() if k in SECRET_VARIABLES}
 
 
 def store_url() -> str:

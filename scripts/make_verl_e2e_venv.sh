@@ -18,6 +18,6 @@ PIP=("$VENV/bin/pip" install --disable-pip-version-check --no-input -q -c constr
 "${PIP[@]}" accelerate codetiming datasets dill hydra-core pandas peft "pyarrow>=19" pybind11 pylatexenc \
     "ray[default]>=2.41" torchdata "tensordict>=0.8,<=0.10,!=0.9.0" tensorboard TransferQueue pyzmq msgspec \
     fastapi uvicorn cachetools psutil
-"${PIP[@]}" -e '.[dev]'
+"${PIP[@]}" -e '.[dev,postgres]'  # postgres: the e2e run's store is a PostgreSQL URL with a password
 "$VENV/bin/python" -c "import verl, vllm, transfer_queue, lightning_rl; print('verl', verl.__version__, 'vllm', vllm.__version__)"
 touch "$VENV/.stamp"

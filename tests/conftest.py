@@ -67,7 +67,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """A file that asks for the long-window vLLM server must be in ``LONG_WINDOW_FILES`` (else make test's workers
-    start one such server each)."""
+    start one such server each). verl's end-to-end tests run where they are asked for (``-m verl_e2e``, in
+    ``.venv-verl-e2e``: ``make test-verl-e2e``) and there they fail, never skip, without verl; any other run skips
+    them."""
+    if "verl_e2e" not in (config.option.markexpr or ""):
+        elsewhere = pytest.mark.skip(reason="verl end to end: make test-verl-e2e (-m verl_e2e in .venv-verl-e2e)")
+        for item in items:
+            if item.get_closest_marker("verl_e2e"):
+                item.add_marker(elsewhere)
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         if "vllm_long_url" in getattr(item, "fixturenames", ()) and path not in LONG_WINDOW_FILES:

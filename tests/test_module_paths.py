@@ -65,6 +65,22 @@ def test_a_moved_name_is_importable_from_its_old_module(old, name, new):
     assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
 
 
+# the verl bridge's modules, moved into trainer_bridge/verl/ (issue 54): the old path is the same module
+VERL_MOVED = {"verl_data": "data", "verl_export": "export", "verl_launch": "launch", "verl_rows": "rows",
+              "verl_agent_loop": "agent_loop", "verl_trainer": "trainer", "verl_main": "main"}
+
+
+@pytest.mark.parametrize("old,new", sorted(VERL_MOVED.items()))
+def test_a_verl_module_is_importable_from_its_old_path(old, new):
+    if new in ("agent_loop", "trainer", "main"):  # they import verl (and Hydra)
+        pytest.importorskip("verl")
+    module = importlib.import_module(f"lightning_rl.trainer_bridge.verl.{new}")
+    assert importlib.import_module(f"lightning_rl.trainer_bridge.{old}") is module
+    from lightning_rl.trainer_bridge import verl
+
+    assert verl.to_dataproto is importlib.import_module("lightning_rl.trainer_bridge.verl.dataproto").to_dataproto
+
+
 def test_the_continuous_trainer_keeps_its_going_live_decisions():
     from lightning_rl.trainer_bridge.continuous import ContinuousTrainer
     from lightning_rl.trainer_bridge.going_live import GoingLive

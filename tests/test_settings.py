@@ -5,6 +5,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from lightning_rl import settings
 
 PACKAGE = Path(settings.__file__).resolve().parent
@@ -95,3 +97,32 @@ def test_the_read_check_finds_reads_and_passes_writes():
         "g = os.environ.get('OPENAI_API_KEY')\n"      # not one of ours: a literal name
     )
     assert reads == [3, 4, 5, 6, 7, 8]
+
+
+def test_a_secret_variable_is_read_from_the_secrets_file_when_not_in_the_environment(monkeypatch, tmp_path):
+    """``train verl`` hands verl's processes the store's URL and token in a file (Ray logs their environment)."""
+    import json
+
+    from lightning_rl.errors import ConfigurationError
+    from lightning_rl.settings import store_token, store_url
+
+    path = tmp_path / "secrets.json"
+    path.write_text(json.dumps({"LIGHTNING_RL_STORE": "postgresql://u:pw@db/x", "LIGHTNING_RL_STORE_TOKEN": "t0k",
+                                "LIGHTNING_RL_MODE": "eval"}))
+    for name in ("LIGHTNING_RL_STORE", "LIGHTNING_RL_STORE_TOKEN", "LIGHTNING_RL_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LIGHTNING_RL_SECRETS_FILE", str(path))
+    assert (store_url(), store_token()) == ("postgresql://u:pw@db/x", "t0k")
+    assert lrl_mode() == "train"  # only the secret variables come from the file
+    monkeypatch.setenv("LIGHTNING_RL_STORE_TOKEN", "from-env")
+    assert store_token() == "from-env"  # the environment wins
+    monkeypatch.setenv("LIGHTNING_RL_SECRETS_FILE", str(tmp_path / "missing.json"))
+    monkeypatch.delenv("LIGHTNING_RL_STORE_TOKEN")
+    with pytest.raises(ConfigurationError, match=r"missing.json does not exist on this machine.*SECRETS_DIR"):
+        store_token()
+
+
+def lrl_mode() -> str:
+    from lightning_rl.settings import Settings
+
+    return Settings.from_env().mode

@@ -42,6 +42,26 @@ _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "n",
     "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
 )
+_GUIDED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided_decoding(request: dict[str, Any]) -> str | None:
+    """What constrained this request's sampling, if anything did (recorded as ``sampling_params["guided"]``): the
+    engine's log-probs of a grammar-masked sample are of the masked distribution, which a trainer does not
+    compute (docs/verl.md). A schema or JSON ``response_format``, vLLM's ``structured_outputs``/``guided_*``, and a
+    ``tool_choice`` that forces a call (``required`` or a named function: vLLM enforces it with a grammar)."""
+    for key in _GUIDED_KEYS:
+        if request.get(key):
+            return key
+    fmt = request.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object"):
+        return f"response_format:{fmt['type']}"
+    choice = request.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        return "tool_choice"
+    return None
+
+
 _NUMERIC_REQUEST_ATTRIBUTES = (
     ("temperature", semconv.GEN_AI_REQUEST_TEMPERATURE), ("top_p", semconv.GEN_AI_REQUEST_TOP_P),
     ("seed", semconv.GEN_AI_REQUEST_SEED), ("max_tokens", semconv.GEN_AI_REQUEST_MAX_TOKENS),
@@ -168,6 +188,9 @@ class CapturedCall:
         if self.agent is not None:
             attributes[semconv.GEN_AI_AGENT_NAME] = self.agent
         sampling = {k: v for k in _SAMPLING_KEYS if (v := request.get(k)) is not None}
+        guided = guided_decoding(request)
+        if guided:
+            sampling["guided"] = guided
         attributes[semconv.SAMPLING_PARAMS] = _dumps(sampling)
         for key, attr in _NUMERIC_REQUEST_ATTRIBUTES:
             value = sampling.get(key)

@@ -171,7 +171,7 @@ def export_model(adapter: str | None, verl_checkpoint: str | None, merge: bool, 
         raise ConfigurationError("give one of --adapter DIR (a published LoRA) or --verl-checkpoint DIR (a verl run's "
                                  "global_step_N)")
     if verl_checkpoint is not None:
-        from ..trainer_bridge.verl_export import export_verl_checkpoint
+        from ..trainer_bridge.verl.export import export_verl_checkpoint
 
         written = export_verl_checkpoint(verl_checkpoint, out, base_model=base_model, dtype=dtype)
         click.echo(json.dumps({k: str(v) if v is not None else None for k, v in written.items()}))

@@ -2,12 +2,13 @@
 
 ``train run`` -> ``Trainer(...).fit()`` over a task set; ``train continuous`` ->
 ``ContinuousTrainer(...).run()`` on production traffic; ``train replay`` -> ``trainer_bridge.replay``
-on a stored run; ``train verl`` -> ``trainer_bridge.verl_launch.run_verl``.
+on a stored run; ``train verl`` -> ``trainer_bridge.verl.launch.run_verl``.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +281,9 @@ def train_verl(agent, store, tasks_path, val_path, data_dir, print_command, over
 
     Example: lightning-rl train verl --agent my_pkg.agents:solve --tasks tasks.jsonl --val-tasks held_out.jsonl actor_rollout_ref.model.path=Qwen/Qwen2.5-1.5B-Instruct trainer.n_gpus_per_node=8
     """
-    from ..trainer_bridge.verl_launch import check_verl_config, composed_config, data_overrides, run_verl, verl_command
+    from ..store.uri import redacted
+    from ..trainer_bridge.verl.launch import (check_verl_config, composed_config, data_overrides, launch_store,
+                                              run_verl, verl_command)
 
     if val_path and not tasks_path:
         raise ConfigurationError("--val-tasks needs --tasks too (or give data.train_files= and data.val_files=)")
@@ -296,6 +299,7 @@ def train_verl(agent, store, tasks_path, val_path, data_dir, print_command, over
             click.echo("(verl is not installed here: the configuration is checked when the command runs)", err=True)
         else:  # the settings only: the agent and the data files are the running machine's (it may be another)
             check_verl_config(composed_config(command))
-        click.echo(" ".join(command))
+        # the store goes in the environment, never in verl's config (verl prints it); its password is not shown
+        click.echo(f"LIGHTNING_RL_STORE={shlex.quote(redacted(launch_store(store)))} " + " ".join(command))
         return
     raise SystemExit(run_verl(agent, overrides, store=store, tasks=tasks, val_tasks=val_tasks, data_dir=data_dir))

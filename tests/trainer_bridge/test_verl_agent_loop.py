@@ -15,7 +15,7 @@ import pytest
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.ray]
 pytest.importorskip("verl")
 pytest.importorskip("transfer_queue")
-loop_module = pytest.importorskip("lightning_rl.trainer_bridge.verl_agent_loop")
+loop_module = pytest.importorskip("lightning_rl.trainer_bridge.verl.agent_loop")
 
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.tracer import tracing  # noqa: E402
@@ -27,13 +27,15 @@ from .verl_v1 import (TransferQueueNoReply, compose_config, train_step, transfer
 VERL_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
-def _loop(vllm_url, tmp_path, agent="tests.trainer_bridge.verl_agents:two_turn_solver"):
+def _loop(vllm_url, tmp_path, agent="tests.trainer_bridge.verl_agents:two_turn_solver", guided="train"):
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
+    # the test agents answer under a regex (guided decoding), so their token prefixes are exact on any model; such
+    # segments have no gradient by default (lightning_rl.guided_decoding=mask): train, to see the rows trained
     config = compose_config(tmp_path / "verl.db", prompt_length=512, response_length=256, n=2, agent=agent,
-                            server_url=vllm_url)
+                            server_url=vllm_url, guided_decoding=guided)
     model = str(ensure_tiny_model())
     return loop_module.LightningRLAgentLoop(DictConfigWrap(config), None, AutoTokenizer.from_pretrained(model), None,
                                             RLHFDataset, DictConfigWrap(config.data), hf_model_type="qwen2")
@@ -58,6 +60,10 @@ async def test_registered_loop_runs_the_traced_agent_and_returns_engine_tokens(v
     assert len(out.response_logprobs) == len(out.response_ids)
     assert out.reward_score == traj.final_reward and out.extra_fields["prefix_splits"] == 0
     assert out.extra_fields["masked"] == "" and out.extra_fields["failure"] == ""
+    assert {c.sampling_params.get("guided") for c in traj.llm_calls} == {"structured_outputs"}  # recorded
+    (masked,) = _loop(vllm_url, tmp_path, guided="mask").output(traj)  # the default: no gradient, reward kept
+    assert masked.extra_fields["masked"] == "guided_decoding" and sum(masked.response_mask) == 0
+    assert masked.reward_score == out.reward_score
     # the agent asked for temperature 0.0; verl's actor recomputes at 0.7, so the request went at 0.7
     spans = [s for s in loop.store.spans(rollout_id) if s.kind == "CLIENT"]
     assert [s.attributes["gen_ai.request.temperature"] for s in spans] == [0.7, 0.7]
@@ -104,7 +110,8 @@ def test_verls_v1_worker_runs_our_loop_and_trains_every_segment_with_the_publish
     """verl's worker calls our loop from its registry, n=2 sessions; each try of ``resetting_solver`` breaks
     its token prefix, so each session is 2 rows; the version is the publish recorded for the served name."""
     config = compose_config(tmp_path / "verl.db", prompt_length=512, response_length=256, n=2,
-                            agent="tests.trainer_bridge.verl_agents:resetting_solver", server_url=vllm_url)
+                            agent="tests.trainer_bridge.verl_agents:resetting_solver", server_url=vllm_url,
+                            guided_decoding="train")  # its regex-guided answers trained (see _loop)
     store = lrl.configure(store=f"sqlite:///{tmp_path / 'verl.db'}")
     store.record_policy("tiny", 3)  # what verl_trainer records at the weight sync before this step
     tracing.reset_policy_versions()
@@ -135,7 +142,7 @@ def test_external_rollouts_run_by_a_runner_elsewhere_feed_verls_v1_worker(vllm_u
 
     config = compose_config(tmp_path / "verl.db", prompt_length=512, response_length=256, n=2,
                             agent="tests.trainer_bridge.verl_agents:two_turn_solver", server_url=vllm_url,
-                            rollouts="external", external_timeout=120)
+                            rollouts="external", external_timeout=120, guided_decoding="train")
     store = lrl.configure(store=f"sqlite:///{tmp_path / 'verl.db'}")
     runner = Runner(store, load_agent("tests.trainer_bridge.verl_agents:two_turn_solver"), concurrency=2,
                     rollout_timeout=120, poll=0.05)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 import lightning_rl as lrl
 from lightning_rl.cli import main
-from lightning_rl.trainer_bridge.verl_launch import CONFIG_DIR, CONFIG_NAME, check_verl_version, verl_command
+from lightning_rl.trainer_bridge.verl.launch import (CONFIG_DIR, CONFIG_NAME, check_verl_config, check_verl_version,
+                                                     verl_command, verl_env)
 
 AGENT = "tests.trainer_bridge.verl_agents:two_turn_solver"
 
@@ -22,7 +24,7 @@ def test_version_range_is_named_in_the_error():
 
 
 def test_vllm_version_range():
-    from lightning_rl.trainer_bridge.verl_launch import check_vllm_version
+    from lightning_rl.trainer_bridge.verl.launch import check_vllm_version
 
     assert check_vllm_version("0.20.2") == "0.20.2"
     with pytest.raises(lrl.ConfigurationError, match=r"needs vllm>=0.18"):
@@ -33,9 +35,15 @@ def test_print_command_passes_agent_config_and_overrides():
     result = CliRunner().invoke(main, ["train", "verl", "--agent", "pkg.agents:solve", "--print-command",
                                        "--store", "sqlite:////shared/runs.db", "trainer.n_gpus_per_node=8"])
     assert result.exit_code == 0, result.output
-    assert "-m lightning_rl.trainer_bridge.verl_main" in result.output and f"--config-name {CONFIG_NAME}" in result.output
+    assert "-m lightning_rl.trainer_bridge.verl.main" in result.output and f"--config-name {CONFIG_NAME}" in result.output
     assert "lightning_rl.agent=pkg.agents:solve" in result.output and result.output.strip().endswith("trainer.n_gpus_per_node=8")
-    assert "lightning_rl.store=sqlite:////shared/runs.db" in result.output
+    # the store goes to verl's processes in their environment, never into verl's config (verl prints it)
+    assert result.output.splitlines()[-1].startswith("LIGHTNING_RL_STORE=sqlite:////shared/runs.db ")
+    assert "lightning_rl.store" not in result.output
+    secret = CliRunner().invoke(main, ["train", "verl", "--agent", "pkg.agents:solve", "--print-command",
+                                       "--store", "postgresql://lrl:s3cret-pw@db:5432/lrl"])
+    assert secret.exit_code == 0 and "s3cret-pw" not in secret.output, secret.output
+    assert "LIGHTNING_RL_STORE='postgresql://lrl:***@db:5432/lrl' " in secret.output
     bad = CliRunner().invoke(main, ["train", "verl", "--agent", "no_colon"])
     assert bad.exit_code == 1 and "module:function" in bad.output
     missing = CliRunner().invoke(main, ["train", "verl", "--print-command"])
@@ -68,25 +76,35 @@ def test_a_multi_node_run_needs_the_store_server_not_a_shared_sqlite_file(monkey
         with pytest.raises(lrl.ConfigurationError, match=r"2 nodes.*SQLite.*lightning-rl store serve"):
             verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=store)
     command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store="http://head:8765")
-    assert "lightning_rl.store=http://head:8765" in command
+    assert not [arg for arg in command if "head:8765" in arg]  # in the environment only
+    assert verl_env("http://head:8765", {})["LIGHTNING_RL_STORE"] == "http://head:8765"
     assert verl_command("pkg.agents:solve", ["trainer.nnodes=1"], store="sqlite:///runs.db")  # one node: fine
 
 
-@pytest.mark.verl
-def test_a_multi_node_run_takes_several_store_servers_or_postgresql():
-    """Hydra reads an unquoted comma as a sweep (a choice of stores, not one store of several servers), and a
-    PostgreSQL store is one every node can write."""
-    pytest.importorskip("hydra")
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def test_a_multi_node_run_takes_several_store_servers_or_postgresql(monkeypatch):
+    """Several servers of one store (comma-separated) and a PostgreSQL store reach verl's processes unchanged, in
+    their environment (in a Hydra override an unquoted comma would have made a sweep)."""
+    monkeypatch.delenv("LIGHTNING_RL_STORE", raising=False)
+    for store in ("http://store-a:8765,http://store-b:8765", "postgresql://lrl@db:5432/lrl"):
+        command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=store)
+        assert not [arg for arg in command if "store" in arg]
+        assert verl_env(store, {"PATH": "/bin"}) == {"PATH": "/bin", "LIGHTNING_RL_STORE": store}
+    assert verl_env(None, {"LIGHTNING_RL_STORE": "sqlite:///runs.db"})["LIGHTNING_RL_STORE"] == (
+        f"sqlite:///{Path('runs.db').resolve()}")  # a SQLite file by its full path: actors may run elsewhere
 
-    servers = "http://store-a:8765,http://store-b:8765"
-    command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=servers)
-    (given,) = [arg for arg in command if arg.startswith("lightning_rl.store=")]
-    assert OverridesParser.create().parse_override(given).value() == servers
-    postgres = "postgresql://lrl@db:5432/lrl"
-    command = verl_command("pkg.agents:solve", ["trainer.nnodes=2"], store=postgres)
-    (given,) = [arg for arg in command if arg.startswith("lightning_rl.store=")]
-    assert OverridesParser.create().parse_override(given).value() == postgres
+
+def test_a_store_url_with_a_password_never_enters_verls_config():
+    """verl prints its whole config (``main_ppo``) and hands it to the experiment trackers: a store URL with a
+    password given as a Hydra override is refused in one line, before anything starts."""
+    for url in ("postgresql://lrl:s3cret-pw@db:5432/lrl", "http://store:8765?token=s3cret-pw"):
+        with pytest.raises(lrl.ConfigurationError, match=r"lightning_rl.store=.* holds a password.*--store") as err:
+            verl_command("pkg.agents:solve", [f"lightning_rl.store={url}"])
+        assert "s3cret-pw" not in str(err.value)
+        with pytest.raises(lrl.ConfigurationError, match=r"holds a password"):
+            check_verl_config({"lightning_rl": {"store": url}})
+    done = CliRunner().invoke(main, ["train", "verl", "--agent", "pkg.agents:solve", "--print-command",
+                                     "lightning_rl.store=postgresql://lrl:s3cret-pw@db:5432/lrl"])
+    assert done.exit_code == 1 and "s3cret-pw" not in done.output and done.output.count("\n") == 1, done.output
 
 
 @pytest.mark.verl
@@ -97,7 +115,7 @@ def test_tasks_become_verls_dataset_and_reach_the_agent_unchanged(tmp_path):
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from lightning_rl.trainer_bridge.verl_agent_loop import task_of
+    from lightning_rl.trainer_bridge.verl.agent_loop import task_of
 
     from ..conftest import ensure_tiny_model
 
@@ -181,7 +199,7 @@ def test_the_launch_checks_the_agent_the_data_and_our_settings_before_ray(tmp_pa
     assert printed.returncode == 0, printed.stderr
     # the files verl's actors open are named by their full paths (they may run in another directory)
     assert f"data.train_files={tmp_path / 'lightning_rl_verl_data' / 'train.parquet'}" in printed.stdout
-    assert f"lightning_rl.store=sqlite:///{tmp_path / 'runs.db'}" in printed.stdout
+    assert printed.stdout.startswith(f"LIGHTNING_RL_STORE=sqlite:///{tmp_path / 'runs.db'} ")
 
 
 def test_export_model_from_a_verl_checkpoint_says_what_is_wrong_in_one_line(tmp_path):

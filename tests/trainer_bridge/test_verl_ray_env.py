@@ -61,10 +61,25 @@ def _child_env(_runner, key):
     return ray.get(worker.env.remote(key)), os.environ.get(key)
 
 
-def test_the_store_token_reaches_the_workers_verls_task_runner_starts(cluster, monkeypatch):
-    from lightning_rl.trainer_bridge.verl_main import task_runner, worker_env
+def _child_secret(_runner):
+    """From inside the task runner: an actor of its own reads the store's token as lightning-rl reads it."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def token(self):
+            from lightning_rl.settings import store_token
+
+            return store_token()
+
+    return ray.get(Worker.options(runtime_env={"env_vars": {"VERL_LIKE": "1"}}).remote().token.remote())
+
+
+def test_the_store_token_reaches_the_workers_verls_task_runner_starts(cluster, monkeypatch, tmp_path):
+    from lightning_rl.trainer_bridge.verl.main import secrets_env, task_runner, worker_env
 
     monkeypatch.setenv("LIGHTNING_RL_STORE_TOKEN", "s3cret-token")
+    monkeypatch.setenv("LIGHTNING_RL_AGENTS", "solver")
     ray.init(address=cluster, log_to_driver=False)
 
     @ray.remote(num_cpus=0)
@@ -75,8 +90,30 @@ def test_the_store_token_reaches_the_workers_verls_task_runner_starts(cluster, m
     assert ray.get(Plain.remote().env.remote()) is None  # the cluster's workers never saw the shell's token
 
     env = worker_env()
-    assert env["LIGHTNING_RL_STORE_TOKEN"] == "s3cret-token" and env["PYTHONPATH"].split(os.pathsep)[0] == os.getcwd()
-    runner = task_runner(env).remote()  # verl's TaskRunnerV1 (ours), as verl_main hands it to run_ppo
-    (in_child, verl_like), in_runner = ray.get(runner.__ray_call__.remote(_child_env, "LIGHTNING_RL_STORE_TOKEN"))
-    assert in_runner == in_child == "s3cret-token" and verl_like == "1"
-    ray.kill(runner)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == os.getcwd() and env["LIGHTNING_RL_AGENTS"] == "solver"
+    assert "LIGHTNING_RL_STORE_TOKEN" not in env  # Ray logs runtime environments: never the secret itself
+    with secrets_env() as secret:
+        (path,) = secret.values()
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600" and "s3cret-token" in Path(path).read_text()
+        runner = task_runner({**env, **secret}).remote()  # verl's TaskRunnerV1 (ours), as verl.main hands it
+        (in_child, verl_like), in_runner = ray.get(runner.__ray_call__.remote(_child_env, "LIGHTNING_RL_AGENTS"))
+        assert in_runner == in_child == "solver" and verl_like == "1"
+        assert ray.get(runner.__ray_call__.remote(_child_secret)) == "s3cret-token"
+        ray.kill(runner)
+    assert not Path(path).exists()  # removed when the run ends
+    logs = [p for p in Path(ray._private.worker._global_node.get_session_dir_path()).rglob("*.log")]
+    assert logs and not [p for p in logs if "s3cret-token" in p.read_text(errors="replace")]
+
+
+def test_a_run_on_several_nodes_needs_a_shared_folder_for_the_secrets(monkeypatch, tmp_path):
+    from lightning_rl.errors import ConfigurationError
+    from lightning_rl.trainer_bridge.verl.main import secrets_env
+
+    monkeypatch.setenv("LIGHTNING_RL_STORE", "postgresql://lrl:pw@db/lrl")
+    monkeypatch.delenv("LIGHTNING_RL_SECRETS_DIR", raising=False)
+    with pytest.raises(ConfigurationError, match="LIGHTNING_RL_SECRETS_DIR"):
+        with secrets_env(nodes=2):
+            pass
+    monkeypatch.setenv("LIGHTNING_RL_SECRETS_DIR", str(tmp_path))
+    with secrets_env(nodes=2) as secret:
+        assert Path(secret["LIGHTNING_RL_SECRETS_FILE"]).parent.parent == tmp_path

@@ -40,11 +40,9 @@ async def resetting_solver(task):
         return 1.0 if "42" in (final.choices[0].message.content or "") else 0.25
 
 
-@lrl.trace(agent="solver")
-async def free_resetting_solver(task):
-    """``resetting_solver`` without guided decoding (the engine's log-probs are then the actor's distribution:
-    a grammar-masked sample's are not), rewarded by what it wrote (digits in its answers), so the tries of a
-    group differ and the update has a gradient. Two segments per try, whatever the model writes."""
+async def _two_free_segments(task) -> str:
+    """Two calls without guided decoding whose token prefix breaks (a system message put in front): the text
+    the model wrote."""
     base_url, model = lrl.current_endpoint()
     async with openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY") as client:  # closed in this loop
         messages = [{"role": "user", "content": task["question"]}]
@@ -53,5 +51,27 @@ async def free_resetting_solver(task):
                     {"role": "assistant", "content": first.choices[0].message.content or ""},
                     {"role": "user", "content": "Answer with a number."}]
         final = await client.chat.completions.create(model=model, messages=messages, max_tokens=8)
-        text = (first.choices[0].message.content or "") + (final.choices[0].message.content or "")
-        return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+        return (first.choices[0].message.content or "") + (final.choices[0].message.content or "")
+
+
+@lrl.trace(agent="solver")
+async def free_resetting_solver(task):
+    """``resetting_solver`` without guided decoding (the engine's log-probs are then the actor's distribution:
+    a grammar-masked sample's are not), rewarded by what it wrote (digits in its answers), so the tries of a
+    group differ and the update has a gradient. Two segments per try, whatever the model writes."""
+    text = await _two_free_segments(task)
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
+
+
+_TRIES: dict[str, int] = {}
+
+
+@lrl.trace(agent="solver")
+async def alternating_solver(task):
+    """``free_resetting_solver``'s two segments, rewarded 1.0 and 0.0 by turns per task (in the one agent-loop
+    worker verl runs here), whatever the model writes: with an even ``rollout.n`` every group's tries differ, so
+    every update has a gradient (``make test-verl-e2e``'s float32 run checks that the served weights follow the
+    actor's: an update that vanished because the model wrote the same thing every try would show nothing)."""
+    await _two_free_segments(task)
+    _TRIES[task["question"]] = _TRIES.get(task["question"], 0) + 1
+    return float(_TRIES[task["question"]] % 2)

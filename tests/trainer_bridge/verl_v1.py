@@ -182,7 +182,7 @@ def compose_config(db, *, prompt_length: int, response_length: int, n: int, agen
     """Our packaged config composed with verl's own (as ``train verl`` runs it), for the tiny model."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_rl.trainer_bridge.verl_launch import CONFIG_DIR, CONFIG_NAME
+    from lightning_rl.trainer_bridge.verl.launch import CONFIG_DIR, CONFIG_NAME
 
     overrides = [f"actor_rollout_ref.model.path={ensure_tiny_model()}",
                  f"actor_rollout_ref.rollout.prompt_length={prompt_length}",
@@ -208,10 +208,12 @@ def v1_worker(config, tokenizer=None):
     return worker
 
 
-def train_step(tq, config, *, uids: int, global_steps: int):
+def train_step(tq, config, *, uids: int, global_steps: int, advantage=None):
     """V1's sync step on what the workers put: the replay buffer's sample, the actor's old log-probs (here the
-    engine's: its GPU recomputation is the one step not run), ``_compute_advantage`` and ``_compute_metrics``.
-    Returns (the batch, its metrics, the advantages and response masks by key)."""
+    engine's: its GPU recomputation is the one step not run), the advantage (``advantage(trainer, batch,
+    metrics)``: lightning-rl's, as ``LightningRLSyncTrainer`` runs it, unless given verl's own
+    ``PPOTrainer._compute_advantage``) and ``_compute_metrics``. Returns (the batch, its metrics, the response
+    masks and advantages by key)."""
     from tensordict import TensorDict
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer, RolloutMoELoadBalanceMetricsAccumulator
@@ -227,8 +229,26 @@ def train_step(tq, config, *, uids: int, global_steps: int):
                               _rollout_moe_lb_metrics_accumulator=RolloutMoELoadBalanceMetricsAccumulator(
                                   model_config=config.actor_rollout_ref.model))
     metrics: dict = {}
-    batch = PPOTrainer._compute_advantage(trainer, batch, metrics)
+    if advantage is None:
+        from lightning_rl.trainer_bridge.verl.advantage import compute_advantage as advantage
+    batch = advantage(trainer, batch, metrics)
     PPOTrainer._compute_metrics(trainer, batch, metrics, {"step": 1.0}, global_steps=global_steps, epoch=0)
     data = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["response_mask", "advantages"])
     by_key = {k: (m, a) for k, m, a in zip(batch.keys, data["response_mask"], data["advantages"])}
     return batch, metrics, by_key
+
+
+def verls_grpo(tq, config, keys: list[str]) -> dict:
+    """verl's own V1 GRPO (``compute_advantage_for_multi_trajectories``) on the rows ``keys`` as the workers put them
+    (their ``rm_scores``, response masks and uids): the advantages by key, from verl's code alone."""
+    import numpy as np
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["uid", "response_mask", "rm_scores"])
+    data = DataProto(batch=data.to_padded_tensor())
+    data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+    data.batch["token_level_rewards"] = data.batch["rm_scores"]
+    data = compute_advantage_for_multi_trajectories(data, batch_keys=keys, adv_estimator="grpo",
+                                                    num_repeat=config.actor_rollout_ref.rollout.n)
+    return dict(zip(keys, data.batch["advantages"]))

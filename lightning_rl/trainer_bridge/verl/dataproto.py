@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigurationError
-from ..records import Sample
-from ..store.training_samples import SampleStats, group_keys, route_by_policy
+from ...errors import ConfigurationError
+from ...records import Sample
+from ...store.training_samples import SampleStats, group_keys, route_by_policy
 
 
 def _verl():
