@@ -54,24 +54,31 @@ async def _two_free_segments(task) -> str:
         return (first.choices[0].message.content or "") + (final.choices[0].message.content or "")
 
 
+_TRIES: dict[str, int] = {}
+
+
+def _turn(task) -> int:
+    """0 and 1 by turns over the tries of ``task`` in this process (verl's one agent-loop worker here)."""
+    _TRIES[task["question"]] = _TRIES.get(task["question"], 0) + 1
+    return _TRIES[task["question"]] % 2
+
+
 @lrl.trace(agent="solver")
 async def free_resetting_solver(task):
     """``resetting_solver`` without guided decoding (the engine's log-probs are then the actor's distribution:
-    a grammar-masked sample's are not), rewarded by what it wrote (digits in its answers), so the tries of a
-    group differ and the update has a gradient. Two segments per try, whatever the model writes."""
+    a grammar-masked sample's are not), rewarded by what it wrote (the share of digits in its answers) plus 0.01 on
+    every other try of a task, so that with an even ``rollout.n`` the tries of a group never tie: a group whose
+    tries tie has no advantage, and a step of such groups no gradient, whatever the model is (seen with the seed-7
+    tiny model: a step of grad norm 0). Two segments per try, whatever the model writes."""
     text = await _two_free_segments(task)
-    return sum(ch.isdigit() for ch in text) / max(len(text), 1)
-
-
-_TRIES: dict[str, int] = {}
+    return sum(ch.isdigit() for ch in text) / max(len(text), 1) + 0.01 * _turn(task)
 
 
 @lrl.trace(agent="solver")
 async def alternating_solver(task):
-    """``free_resetting_solver``'s two segments, rewarded 1.0 and 0.0 by turns per task (in the one agent-loop
-    worker verl runs here), whatever the model writes: with an even ``rollout.n`` every group's tries differ, so
-    every update has a gradient (``make test-verl-e2e``'s float32 run checks that the served weights follow the
-    actor's: an update that vanished because the model wrote the same thing every try would show nothing)."""
+    """``free_resetting_solver``'s two segments, rewarded 1.0 and 0.0 by turns per task, whatever the model writes:
+    every update has a gradient of the same size (``make test-verl-e2e``'s float32 run checks that the served
+    weights follow the actor's: an update that vanished because the model wrote the same thing every try would
+    show nothing)."""
     await _two_free_segments(task)
-    _TRIES[task["question"]] = _TRIES.get(task["question"], 0) + 1
-    return float(_TRIES[task["question"]] % 2)
+    return float(_turn(task))
