@@ -83,7 +83,8 @@ class MissingDependencyError(LightningRLError, ImportError):
 EXTRA_OF_MODULE = {
     "torch": "local", "transformers": "local", "peft": "local", "safetensors": "local", "numpy": "local",
     "tqdm": "local", "matplotlib": "local",
-    "verl": "verl", "ray": "verl", "cachetools": "verl", "transfer_queue": "verl", "hydra": "verl", "omegaconf": "verl",
+    "verl": "verl", "ray": "verl", "cachetools": "verl", "transfer_queue": "verl", "tensordict": "verl", "hydra": "verl",
+    "omegaconf": "verl",
     "pandas": "verl",
     "jsonschema": "rewards", "pyarrow": "data", "psycopg": "postgres", "psycopg_pool": "postgres",
     "tensorboard": "trackers", "mlflow": "trackers", "wandb": "trackers",
