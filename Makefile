@@ -12,9 +12,9 @@ MODEL_DIR := .cache/tiny-qwen2
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
-.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres screenshots model test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres bubblewrap screenshots model test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
 
-all: venv venv-vllm model node-deps browser postgres
+all: venv venv-vllm model node-deps browser postgres bubblewrap
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,12 @@ postgres: | browser
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql >/dev/null; }
 
+# Debian's bubblewrap for the sandboxes (lightning_rl/sandbox: the bwrap backend, tests/sandbox); after `postgres`, so
+# that two apt-get runs never meet under `make -j`.
+bubblewrap: | postgres
+	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
+
 # The viewer's screenshots in docs/images (the README shows them), taken by its browser test.
 screenshots: all
 	LIGHTNING_RL_VIEWER_SCREENSHOTS=1 $(PY) -m pytest -q tests/viewer/test_viewer.py
@@ -152,7 +158,7 @@ disk-check:
 test-verl-e2e: venv venv-vllm model venv-verl-e2e postgres
 	$(VERL_E2E_VENV)/bin/python -m pytest -q -m verl_e2e tests/verl_e2e
 
-test-fast: venv postgres
+test-fast: venv postgres bubblewrap
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not vllm and not slow"
 
 # The vLLM-marked tests against a tiny model built with another seed (in a temporary directory):

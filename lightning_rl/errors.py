@@ -23,6 +23,7 @@ meaning, so ``except ValueError`` keeps working in user code::
     ├── EngineStartError (RuntimeError)       a vLLM server lightning-rl started exited or was not ready in time
     ├── RunnerStoppedError (RuntimeError)     a trainer's runner ended while the groups it was to run were queued
     ├── WorkersFailed (RuntimeError)          a trainer's worker processes (processes=) exited non-zero
+    ├── SandboxError (RuntimeError)           a sandbox could not start or died (an infrastructure failure)
     ├── UpstreamError (ConnectionError)       the gateway could not reach an engine, or lost it
     ├── GatewayError                          a request the gateway refuses (carries its HTTP status)
     └── OTLPDecodeError (ValueError)          a body that is not an OTLP trace export request
@@ -168,6 +169,11 @@ class WorkersFailed(LightningRLError, RuntimeError):
     def __init__(self, message: str, codes: list[int | None]) -> None:
         super().__init__(message)
         self.codes = codes
+
+
+class SandboxError(LightningRLError, RuntimeError):
+    """A sandbox itself failed (it could not start, it died): an infrastructure failure, not the command's
+    (``lightning_rl.sandbox``)."""
 
 
 class UpstreamError(LightningRLError, ConnectionError):

@@ -34,6 +34,9 @@ FORBIDDEN = {
     "trainer_bridge": {"viewer"},
     "rewards": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},  # helpers over the tracer
     "judge": {"tracer", "capture", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP, over a store
+    # runs commands in isolation; knows nothing of rollouts, stores or trainers (they will use it)
+    "sandbox": {"tracer", "capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards",
+                "judge"},
 }
 
 
@@ -133,7 +136,7 @@ def test_the_store_rule_catches_a_backend_import(source, module, expected):
 def test_every_package_module_is_in_a_known_layer():
     layers = {layer_of(dotted) for dotted, _, _ in _modules()}
     assert layers <= {"bottom", "face", "tracer", "capture", "store", "adapters", "trainer_bridge", "vllm_server", "gateway",
-                      "viewer", "rewards", "judge"}
+                      "viewer", "rewards", "judge", "sandbox"}
     assert {"bottom", "tracer", "capture", "store", "adapters", "gateway"} <= layers
 
 
