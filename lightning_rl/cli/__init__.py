@@ -14,6 +14,7 @@ import click
 from .data import export, export_model, judge, plot, sft
 from .policies import policies
 from .rollouts import rollouts
+from .sandbox import sandbox_group
 from .services import gateway, runner, store_group, view
 from .train import train
 
@@ -27,7 +28,8 @@ def main() -> None:
     """
 
 
-for _command in (rollouts, export, sft, judge, export_model, train, policies, store_group, gateway, view, runner, plot):
+for _command in (rollouts, export, sft, judge, export_model, train, policies, store_group, gateway, view, runner, plot,
+                 sandbox_group):
     main.add_command(_command)
 del _command
 

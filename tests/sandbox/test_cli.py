@@ -1,0 +1,35 @@
+"""``lightning-rl sandbox exec`` and ``doctor``: a command in a fresh sandbox as a try's would run, its exit code
+passed on, the deadline and the sandbox's own failure each with a code of their own."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from lightning_rl.cli import main
+from lightning_rl.cli.sandbox import EXIT_DEADLINE, EXIT_SANDBOX
+
+
+def test_exec_runs_in_a_copy_of_the_task_folder_and_passes_the_exit_code_on(tmp_path):
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "data.txt").write_text("42\n")
+    done = CliRunner().invoke(main, ["sandbox", "exec", "--dir", str(tmp_path / "task"), "--", "sh", "-c",
+                                     "cat data.txt; echo changed > data.txt; exit 7"])
+    assert done.exit_code == 7 and done.output.startswith("42\n"), done.output
+    assert (tmp_path / "task" / "data.txt").read_text() == "42\n"  # the try's copy changed, not the task
+
+
+def test_exec_says_the_deadline_and_a_sandbox_failure_apart_from_the_commands_code(monkeypatch):
+    done = CliRunner().invoke(main, ["sandbox", "exec", "--timeout", "1", "--", "sh", "-c", "trap '' TERM; sleep 30"])
+    assert done.exit_code == EXIT_DEADLINE and "deadline of 1 s" in done.output
+    monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap to be found: the sandbox cannot start
+    done = CliRunner().invoke(main, ["sandbox", "exec", "--", "true"])
+    assert done.exit_code == EXIT_SANDBOX and "bubblewrap is not installed" in done.output
+    doctor = CliRunner().invoke(main, ["sandbox", "doctor"])
+    assert doctor.exit_code == 1 and "bwrap: does not work: bubblewrap is not installed" in doctor.output
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, ["sandbox", "doctor"]).output.startswith("bwrap: works")
+
+
+def test_exec_refuses_what_is_not_built_yet_in_one_line():
+    done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--", "true"])
+    assert done.exit_code == 1 and "only none is built yet" in done.output and done.output.count("\n") == 1
