@@ -17,7 +17,10 @@ EXIT_SANDBOX = 125
 
 @click.group("sandbox")
 def sandbox_group() -> None:
-    """Sandboxes for a try's commands (docs/sandboxes.md)."""
+    """Sandboxes for a try's commands (docs/sandboxes.md).
+
+    Example: lightning-rl sandbox exec --dir tasks/fix-parser -- python3 -m pytest -q
+    """
 
 
 @sandbox_group.command("exec", context_settings={"ignore_unknown_options": True})
@@ -62,7 +65,10 @@ def sandbox_exec(backend: str, folder: str | None, timeout: float, memory_mb: in
 @sandbox_group.command("doctor")
 def sandbox_doctor() -> None:
     """Say which sandbox backends work on this machine and, for each that does not, why and the fix; exits 1 when
-    the default (bwrap) does not."""
+    the default (bwrap) does not.
+
+    Example: lightning-rl sandbox doctor
+    """
     from ..sandbox import bwrap_available
 
     missing = bwrap_available()
