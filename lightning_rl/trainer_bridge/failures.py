@@ -24,8 +24,8 @@ INFRA_ERRORS = frozenset({
     # the standard library
     "ConnectionError", "ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError",
     "BrokenPipeError", "TimeoutError",
-    # ours: the store went away under the agent
-    "StoreError",
+    # ours: the store went away under the agent; a sandbox could not start or died (lightning_rl.sandbox)
+    "StoreError", "SandboxError",
 })
 
 

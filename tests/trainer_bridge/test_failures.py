@@ -72,6 +72,9 @@ def test_failure_kinds():
     assert failure_kind(rollout("failed", "ValidationError: 1 validation error for AIMessage")) == "model"
     assert failure_kind(rollout("failed", "APITimeoutError: Request timed out.")) == "infra"
     assert failure_kind(rollout("failed", "MyToolDown: 503"), infra_errors={"MyToolDown"}) == "infra"
+    # a sandbox that could not start or died is the infrastructure's (lightning_rl.sandbox); a command the model
+    # wrote that failed in it is the model's (the agent sees its exit code)
+    assert failure_kind(rollout("failed", "SandboxError: the bwrap sandbox backend cannot run here")) == "infra"
 
 
 def test_grpo_needs_groups(tmp_path, sqlite_store):
