@@ -117,3 +117,18 @@ def test_a_run_on_several_nodes_needs_a_shared_folder_for_the_secrets(monkeypatc
     monkeypatch.setenv("LIGHTNING_RL_SECRETS_DIR", str(tmp_path))
     with secrets_env(nodes=2) as secret:
         assert Path(secret["LIGHTNING_RL_SECRETS_FILE"]).parent.parent == tmp_path
+
+
+def test_the_secrets_of_a_killed_launch_are_swept_by_the_next(tmp_path):
+    """kill -9 of ``train verl`` never reaches the launcher's ``finally``: the next launch removes the secrets
+    folder of a launcher that is gone, never one of a launcher still running."""
+    from lightning_rl.trainer_bridge.verl.main import sweep_secrets
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"lightning-rl-verl-{done.stdout.strip()}-abc"
+    alive = tmp_path / f"lightning-rl-verl-{os.getpid()}-def"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "secrets.json").write_text('{"LIGHTNING_RL_STORE": "postgresql://u:pw@db/x"}')
+    assert sweep_secrets(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and alive.exists()

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -63,7 +64,8 @@ def secrets_env(nodes: int = 1) -> Iterator[dict[str, str]]:
         raise ConfigurationError(
             f"a run on {nodes} nodes: the store's URL and token go to verl's processes in a file (Ray logs their "
             f"environment), which every node must read; set {ENV_SECRETS_DIR}= a folder every node mounts")
-    folder = tempfile.mkdtemp(prefix="lightning-rl-verl-", dir=shared)  # mode 0700
+    sweep_secrets(shared)
+    folder = tempfile.mkdtemp(prefix=f"lightning-rl-verl-{os.getpid()}-", dir=shared)  # mode 0700
     path = os.path.join(folder, "secrets.json")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -120,6 +122,25 @@ def main(config: DictConfig) -> None:
             run_ppo(config, task_runner_class=task_runner({**env, **secret}))
     except ConfigurationError as exc:
         raise SystemExit(f"Error: {exc}") from None
+
+
+def sweep_secrets(folder: str | None = None) -> list[str]:
+    """Remove the secrets folders of launches that are gone (a run killed with -9 never reaches its ``finally``):
+    ``lightning-rl-verl-PID-*`` in ``folder`` (default: the temporary folder) whose PID is no longer running.
+    Returns what was removed."""
+    removed = []
+    for path in Path(folder or tempfile.gettempdir()).glob("lightning-rl-verl-*"):
+        pid = path.name.split("-")[3] if path.name.count("-") >= 4 else ""
+        if not pid.isdigit():  # an older launch's (no PID in its name): its run has ended or it is this machine's
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+        except PermissionError:  # another user's, running
+            pass
+    return removed
 
 
 def run_version_base(config: DictConfig) -> int:
