@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 from typing import Any
 
 import orjson
@@ -158,6 +159,7 @@ class CapturedCall:
         self.extra = extra
         self.state = state
         self.op = op
+        self._finishing = threading.RLock()
         self.index = state.next_llm_call()
         hint = _llm_hint.get()
         self.agent = (hint.agent if hint is not None else None) or current_agent_name()
@@ -387,10 +389,19 @@ class CapturedCall:
         return attrs, tokens
 
     def finish(self, *, incomplete: bool = False, error: BaseException | None = None) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.state.open_calls.pop(self.index, None)
+        # Once, under the call's lock; it leaves the rollout's open calls only once its span has ended, so that a
+        # rollout ending meanwhile on another thread (the gateway's, a stream's reader) finds it there and waits
+        # here, instead of being stored without it.
+        with self._finishing:
+            if self.done:
+                return
+            self.done = True
+            try:
+                self._finish(incomplete, error)
+            finally:
+                self.state.open_calls.pop(self.index, None)
+
+    def _finish(self, incomplete: bool, error: BaseException | None) -> None:
         try:
             meta = self.response_meta
             common: dict[str, Any] = {}

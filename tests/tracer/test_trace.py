@@ -348,3 +348,38 @@ def test_configuring_the_same_store_again_opens_nothing_new(traced, tmp_path):
     assert lrl.configure(store="memory://") is not lrl.configure(store="memory://")  # always a new one
     first.close()
     other.close()
+
+
+def test_a_call_another_thread_is_finishing_when_the_rollout_ends_is_in_its_trajectory(traced, monkeypatch):
+    """A CI run of the Claude Code hang test read its timed-out rollout with 0 calls: the gateway's thread was
+    finishing the call the CLI hung up on (it had left the rollout's open calls) while the rollout ended, so the
+    end neither finished it nor waited for it, and the call's span was stored after the rollout. The end now
+    waits for a call being finished elsewhere."""
+    from lightning_rl.capture import CapturedCall, Server
+    from lightning_rl.tracer import current_rollout
+
+    entered, real = threading.Event(), CapturedCall._choice_attributes
+
+    def slow(self, choice):  # the finishing thread, slowed inside finish (a loaded machine)
+        if threading.current_thread().name == "finisher":
+            entered.set()
+            threading.Event().wait(0.5)
+        return real(self, choice)
+
+    monkeypatch.setattr(CapturedCall, "_choice_attributes", slow)
+    finisher: list[threading.Thread] = []
+
+    @lrl.trace
+    def agent() -> float:
+        call = CapturedCall(Server.from_url("http://127.0.0.1:9/v1"), {"model": "tiny", "messages": []}, "chat",
+                            current_rollout())
+        finisher.append(threading.Thread(target=call.finish, kwargs={"incomplete": True}, name="finisher"))
+        finisher[0].start()
+        assert entered.wait(10)
+        return 1.0
+
+    agent()
+    (rollout,) = traced.rollouts()
+    (call,) = lrl.trajectory(traced, rollout.rollout_id).llm_calls  # stored by the time the agent returned
+    assert call.incomplete
+    finisher[0].join()
