@@ -3,10 +3,14 @@ isolation: by name only, for debugging), on one registry (``SANDBOX_BACKENDS``).
 
 from __future__ import annotations
 
+import dataclasses
+import filecmp
+import functools
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,8 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..registry import Registry
 from .base import Limits, RunResult, SandboxError, inside, run_process
+from .cgroups import RunGroup, cgroup_bases
+from .layers import Layers, Snapshot, disk_usage, mount_overlay_in_child, overlay_options, relative_parts
 
 SANDBOX_BACKENDS: Registry[Any] = Registry("sandbox backend", hint="or register one with register_sandbox_backend")
 register_sandbox_backend = SANDBOX_BACKENDS.register
@@ -28,38 +34,120 @@ MASKED_FOLDERS = ("/etc/ssh", "/etc/sudoers.d", "/etc/ssl/private")
 
 
 class _FolderSandbox:
-    """What both backends share: the try's own writable folder (a copy of ``source``), put/get, close."""
+    """What both backends share: the try's own view of its task (a snapshot, a copy of a folder, or an empty
+    folder), put/get, restore and reset, close. ``folder`` holds the try's writes on the host."""
 
     workdir = "/work"
+    layered = False  # whether this backend sees a snapshot through an overlay (else: a copy of it)
 
-    def __init__(self, source: str | os.PathLike[str] | None = None, *, limits: Limits | None = None) -> None:
+    def __init__(self, source: str | os.PathLike[str] | None = None, *, snapshot: Snapshot | None = None,
+                 limits: Limits | None = None, in_place: Path | None = None) -> None:
+        if source is not None and snapshot is not None:
+            raise ConfigurationError("give a sandbox a task folder or a snapshot, not both (a snapshot is made from "
+                                     "the folder: Snapshot(folder))")
+        if snapshot is not None and snapshot.closed:
+            raise ConfigurationError("that snapshot is closed; make it again (Snapshot(folder, setup=...))")
         self.limits = limits or Limits()
+        self._own_snapshot = Snapshot(source) if source is not None else None
+        self.snapshot = snapshot or self._own_snapshot
         self.root = Path(tempfile.mkdtemp(prefix="lrl-sandbox-"))
-        self.folder = self.root / "work"
-        if source is None:
-            self.folder.mkdir()
+        self.layers: Layers | None = None
+        if in_place is not None:  # a snapshot's setup: its folder itself
+            self.folder = in_place
+        elif self.layered and self.snapshot is not None and overlay_available() is None:
+            self.folder = self.root / "upper"
+            for name in ("upper", "ovwork", "merged"):
+                (self.root / name).mkdir()
+            self.layers = Layers(self.snapshot.path, self.folder, privileged=os.getuid() == 0)
         else:
-            source = Path(source)
-            if not source.is_dir():
-                shutil.rmtree(self.root, ignore_errors=True)
-                raise ConfigurationError(f"sandbox folder {str(source)!r} is not a readable folder; give the task's folder")
-            shutil.copytree(source, self.folder, symlinks=True)
+            self.folder = self.root / "work"
+            self._fill()
         self.closed = False
 
+    def _fill(self) -> None:
+        if self.snapshot is None:
+            self.folder.mkdir()
+        else:
+            shutil.copytree(self.snapshot.path, self.folder, symlinks=True)
+
     def put(self, path: str, data: bytes | str) -> None:
-        target = inside(self.folder, path)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        """Write a file of the try (between its commands)."""
+        self._check_open()
+        if self.layers is not None:
+            target = self.layers.writable(path)
+        else:
+            target = inside(self.folder, path)
+            target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
 
     def get(self, path: str) -> bytes:
-        return inside(self.folder, path).read_bytes()
+        """A file as the try sees it (between its commands)."""
+        self._check_open()
+        return (self.layers.seen(path) if self.layers is not None else inside(self.folder, path)).read_bytes()
+
+    def put_folder(self, source: str | os.PathLike[str], path: str) -> None:
+        """Copy a host folder into the try's folder at ``path``."""
+        for folder, _, names in os.walk(source):
+            for name in names:
+                full = os.path.join(folder, name)
+                self.put(os.path.relpath(full, source) if path in ("", ".") else
+                         f"{path}/{os.path.relpath(full, source)}", Path(full).read_bytes())
+
+    def get_folder(self, path: str, target: str | os.PathLike[str]) -> None:
+        """Copy a folder as the try sees it to ``target`` on the host (created)."""
+        self._check_open()
+        if self.layers is not None:
+            self.layers.export(path, Path(target))
+        else:
+            shutil.copytree(inside(self.folder, path), target, symlinks=True)
+
+    def restore(self, paths: Sequence[str]) -> list[str]:
+        """Put back the task's own version of each path (a file or a folder; tests, ``.git``) before a reward runs
+        here: no try edits its way to a reward. Returns the paths the try had changed."""
+        self._check_open()
+        if self.snapshot is None:
+            raise ConfigurationError("restore needs the task's files: open the sandbox on a folder or a snapshot")
+        if self.layers is not None:
+            return self.layers.restore(paths)
+        changed = []
+        for path in paths:
+            relative_parts(path)
+            mine, theirs = inside(self.folder, path), self.snapshot.path / path
+            if os.path.lexists(mine):
+                if theirs.exists() and _same_tree(mine, theirs):
+                    continue
+                shutil.rmtree(mine) if mine.is_dir() and not mine.is_symlink() else mine.unlink()
+            elif not os.path.lexists(theirs):
+                continue
+            if os.path.lexists(theirs):
+                mine.parent.mkdir(parents=True, exist_ok=True)
+                if theirs.is_dir() and not theirs.is_symlink():
+                    shutil.copytree(theirs, mine, symlinks=True)
+                else:
+                    shutil.copy2(theirs, mine, follow_symlinks=False)
+            changed.append(path)
+        return changed
+
+    def reset(self) -> float:
+        """Forget every write of the try (a pooled sandbox's next try starts from the task as made); returns the
+        seconds it took."""
+        self._check_open()
+        began = time.monotonic()
+        if self.layers is not None:
+            self.layers.reset(self.root / "ovwork")
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self._fill()
+        return time.monotonic() - began
 
     def alive(self) -> bool:
-        return not self.closed and self.folder.is_dir()
+        return not self.closed and self.folder.is_dir() and (self.snapshot is None or not self.snapshot.closed)
 
     def close(self) -> None:
         self.closed = True
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._own_snapshot is not None:
+            self._own_snapshot.close()
 
     def __enter__(self) -> "_FolderSandbox":
         return self
@@ -77,13 +165,23 @@ class _FolderSandbox:
             raise SandboxError("this sandbox is closed; take a new one")
 
 
+def _same_tree(a: Path, b: Path) -> bool:
+    if a.is_symlink() or b.is_symlink():
+        return a.is_symlink() and b.is_symlink() and os.readlink(a) == os.readlink(b)
+    if a.is_dir() and b.is_dir():
+        names = sorted(os.listdir(a))
+        return names == sorted(os.listdir(b)) and all(_same_tree(a / n, b / n) for n in names)
+    return a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False)
+
+
 @register_sandbox_backend("local")
 class LocalSandbox(_FolderSandbox):
     """A folder of its own and nothing else: the command runs on the host as this user, sees everything, reaches the
     network, and what it double-forks can outlive the deadline. Only when asked for by name, for debugging."""
 
-    def __init__(self, source: str | os.PathLike[str] | None = None, *, limits: Limits | None = None) -> None:
-        super().__init__(source, limits=limits)
+    def __init__(self, source: str | os.PathLike[str] | None = None, *, snapshot: Snapshot | None = None,
+                 limits: Limits | None = None, in_place: Path | None = None, network: bool = True) -> None:
+        super().__init__(source, snapshot=snapshot, limits=limits, in_place=in_place)
         self.workdir = str(self.folder)
 
     def run(self, argv: Sequence[str], *, stdin: bytes | str | None = None, env: Mapping[str, str] | None = None,
@@ -91,6 +189,27 @@ class LocalSandbox(_FolderSandbox):
         self._check_open()
         return run_process(argv, stdin=stdin, env=self._env(env, str(self.folder)), cwd=cwd or str(self.folder),
                            timeout=timeout, limits=self.limits)
+
+
+@functools.cache
+def overlay_available() -> str | None:
+    """None when a try's copy-on-write overlay can be mounted here (probed once), else one line: why and the fix.
+    Without it a sandbox from a snapshot gets a full copy of it (slower to open and reset; the same isolation)."""
+    root = Path(tempfile.mkdtemp(prefix="lrl-overlay-probe-"))
+    try:
+        for name in ("lower", "upper", "work", "merged"):
+            (root / name).mkdir()
+        options = overlay_options(root / "lower", root / "upper", root / "work", os.getuid() == 0)
+        done = subprocess.run(["true"], preexec_fn=lambda: mount_overlay_in_child(options, root / "merged"),
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            return (f"{done.stderr.strip()[:300]}: overlayfs in a user namespace needs Linux >= 5.11 with user "
+                    "namespaces on (sysctl kernel.unprivileged_userns_clone=1), or run as root")
+        return None
+    except (OSError, subprocess.SubprocessError, ConfigurationError) as exc:
+        return f"the overlay probe could not run ({exc})"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def bwrap_available() -> str | None:
@@ -111,23 +230,31 @@ def bwrap_available() -> str | None:
 
 @register_sandbox_backend("bwrap")
 class BwrapSandbox(_FolderSandbox):
-    """bubblewrap: the system's folders read-only, the try's own copy of its folder writable at ``/work``, a private
-    ``/tmp``; its own PID, IPC, UTS, network and mount namespaces (no network unless ``network=True``); no home, no
-    store, no secret of the host (nothing of the host is bound but the system folders, with ``MASKED`` hidden); a
-    clean environment. At the deadline bwrap is killed and, as the PID namespace's parent, takes every process of
-    the try with it (what double-forked or ignores SIGTERM too)."""
+    """bubblewrap: the system's folders read-only, the try's own view of its task writable at ``/work`` (a
+    copy-on-write overlay of its snapshot), a private ``/tmp``; its own PID, IPC, UTS, network and mount namespaces
+    (no network unless ``network=True``); no home, no store, no secret of the host (nothing of the host is bound but
+    the system folders, with ``MASKED`` hidden, and ``binds``, read-only); a clean environment. At the deadline bwrap
+    is killed and, as the PID namespace's parent, takes every process of the try with it (what double-forked or
+    ignores SIGTERM too). ``binds``: host paths the try may read (a CLI's installation), at the same path."""
 
-    def __init__(self, source: str | os.PathLike[str] | None = None, *, limits: Limits | None = None,
-                 network: bool = False) -> None:
+    layered = True
+
+    def __init__(self, source: str | os.PathLike[str] | None = None, *, snapshot: Snapshot | None = None,
+                 limits: Limits | None = None, network: bool = False, in_place: Path | None = None,
+                 binds: Sequence[str] = (), sockets: Mapping[str, str] | None = None) -> None:
         missing = bwrap_available()
         if missing:
             raise SandboxError(f"the bwrap sandbox backend cannot run here: {missing}")
-        super().__init__(source, limits=limits)
+        super().__init__(source, snapshot=snapshot, limits=limits, in_place=in_place)
         self.network = network
+        self.binds = tuple(binds)
+        self.sockets = dict(sockets or {})  # path inside -> a Unix socket on the host (the gateway's bridge)
 
-    def command(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None) -> list[str]:
+    def command(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, status_fd: int | None = None) -> list[str]:
         """The bwrap command line that runs ``argv`` in this sandbox."""
         args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--hostname", "sandbox"]
+        if status_fd is not None:
+            args += ["--json-status-fd", str(status_fd)]
         if self.network:
             args.append("--share-net")
         for folder in SYSTEM_FOLDERS:
@@ -141,8 +268,16 @@ class BwrapSandbox(_FolderSandbox):
         for folder in MASKED_FOLDERS:
             if os.path.isdir(folder):
                 args += ["--tmpfs", folder]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(self.folder), self.workdir,
-                 "--chdir", cwd or self.workdir, "--clearenv"]
+        mine = self.root / "merged" if self.layers is not None else self.folder
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        if self.limits.disk_mb is not None:
+            args += ["--size", str(self.limits.disk_mb << 20)]
+        args += ["--tmpfs", "/tmp", "--bind", str(mine), self.workdir]
+        for path in self.binds:
+            args += ["--ro-bind", path, path]
+        for inside_path, host_socket in self.sockets.items():
+            args += ["--bind", host_socket, inside_path]
+        args += ["--chdir", cwd or self.workdir, "--clearenv"]
         for key, value in env.items():
             args += ["--setenv", key, value]
         return [*args, "--", *argv]
@@ -152,10 +287,46 @@ class BwrapSandbox(_FolderSandbox):
         self._check_open()
         if not argv:
             raise ConfigurationError("argv is empty; give the command and its arguments, e.g. ['python3', 'test.py']")
-        return run_process(self.command(argv, self._env(env, self.workdir), cwd), stdin=stdin, env={},
-                           cwd=str(self.folder), timeout=timeout, limits=self.limits)
+        options = merged = None
+        if self.layers is not None:
+            options = overlay_options(self.layers.lower, self.layers.upper, self.root / "ovwork", os.getuid() == 0)
+            merged = self.root / "merged"
+        limits = self.limits
+        group = RunGroup(limits.processes, limits.memory_mb, limits.cpus) if cgroup_bases() else None
+
+        def prepare() -> None:
+            if group is not None:
+                group.join()
+            if options is not None:
+                mount_overlay_in_child(options, merged)
+
+        read, write = os.pipe()
+        try:
+            done = run_process(self.command(argv, self._env(env, self.workdir), cwd, status_fd=write), stdin=stdin,
+                               env={}, cwd=str(self.root), timeout=timeout, limits=self.limits, prepare=prepare,
+                               pass_fds=(write,))
+            os.close(write)
+            write = -1
+            os.set_blocking(read, False)
+            try:
+                status = os.read(read, 65536)
+            except BlockingIOError:
+                status = b""
+        finally:
+            if write >= 0:
+                os.close(write)
+            os.close(read)
+            if group is not None:
+                group.close()
+        if b"child-pid" not in status and done.ended != "deadline":  # bwrap never started the command
+            raise SandboxError(f"the bwrap sandbox could not start the command (exit {done.exit_code}): "
+                               f"{done.stderr.strip()[-500:] or '(no output)'}")
+        if limits.disk_mb is not None and done.ended == "exit" and disk_usage(self.folder) > limits.disk_mb << 20:
+            done = dataclasses.replace(done, ended="disk")
+        return done
 
 
 def open_sandbox(backend: str = "bwrap", source: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
-    """A new sandbox of ``backend`` (``bwrap``, the default; ``local`` by name only) with its own copy of ``source``."""
+    """A new sandbox of ``backend`` (``bwrap``, the default; ``local`` by name only) with its own view of ``source``
+    (a task folder) or of ``snapshot=`` (a :class:`Snapshot`, prepared once)."""
     return SANDBOX_BACKENDS.get(backend)(source, **kwargs)

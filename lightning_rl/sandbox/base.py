@@ -10,34 +10,45 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ..errors import ConfigurationError, SandboxError
 
-#: Why a run ended: the command exited, a signal ended it, or the deadline did (the whole tree was killed).
-ENDINGS = ("exit", "signal", "deadline")
+#: Why a run ended: the command exited, a signal ended it, the deadline did (the whole tree was killed), or it
+#: exited with the try's writes over ``Limits.disk_mb`` (its exit code kept).
+ENDINGS = ("exit", "signal", "deadline", "disk")
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one command may use (``None``: no limit). Set as resource limits of the command's processes (inherited
-    by what they start): address space, CPU seconds, the largest file written, open files; ``output_bytes``: what is
-    kept of each of stdout and stderr (the rest is counted in ``RunResult.truncated_bytes``)."""
+    by what they start): address space, CPU seconds, the largest file written, open files; where control groups can be
+    made (root; ``sandbox doctor`` says), processes, memory and ``cpus`` (a CPU share in cores) are also held by the
+    kernel for the whole tree of a bwrap try (a fork storm stops at ``processes``); ``disk_mb``: the size of a bwrap try's private ``/tmp``
+    and what its writes to its folder may add up to (checked after each command: ``RunResult.ended`` "disk");
+    ``output_bytes``: what is kept of each of stdout and stderr (the rest is counted in
+    ``RunResult.truncated_bytes``)."""
 
     memory_mb: int | None = 2048
     cpu_seconds: int | None = None
     file_mb: int | None = 512
     open_files: int | None = 1024
+    processes: int | None = 256
+    disk_mb: int | None = 1024
+    cpus: float | None = None
     output_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("memory_mb", "cpu_seconds", "file_mb", "open_files"):
+        for name in ("memory_mb", "cpu_seconds", "file_mb", "open_files", "processes", "disk_mb"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"Limits({name}={value!r}): give a positive whole number, or None for no limit")
+        if self.cpus is not None and (isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float))
+                                      or not 0.01 <= self.cpus <= 1024):
+            raise ConfigurationError(f"Limits(cpus={self.cpus!r}): give the CPU share in cores (0.5, 2), or None")
         if not isinstance(self.output_bytes, int) or self.output_bytes < 0:
             raise ConfigurationError(f"Limits(output_bytes={self.output_bytes!r}): give a number of bytes >= 0")
 
@@ -45,7 +56,7 @@ class Limits:
         """Set the limits on this process (run in the child, before the command starts)."""
         pairs = ((resource.RLIMIT_AS, self.memory_mb and self.memory_mb << 20),
                  (resource.RLIMIT_CPU, self.cpu_seconds), (resource.RLIMIT_FSIZE, self.file_mb and self.file_mb << 20),
-                 (resource.RLIMIT_NOFILE, self.open_files))
+                 (resource.RLIMIT_NOFILE, self.open_files), (resource.RLIMIT_NPROC, self.processes))
         for which, value in pairs:
             if value is not None:
                 resource.setrlimit(which, (value, value))
@@ -89,9 +100,11 @@ class Sandbox(Protocol):
 
 
 def run_process(argv: Sequence[str], *, stdin: bytes | str | None, env: Mapping[str, str], cwd: str | None,
-                timeout: float, limits: Limits) -> RunResult:
+                timeout: float, limits: Limits, prepare: Callable[[], None] | None = None,
+                pass_fds: Sequence[int] = ()) -> RunResult:
     """Run ``argv`` in a new session (its own process group) with ``limits``; at ``timeout`` seconds kill the group
-    (SIGKILL: a command that ignores SIGTERM ends too)."""
+    (SIGKILL: a command that ignores SIGTERM ends too). ``prepare`` runs in the child first (a backend's namespace
+    set-up), ``pass_fds`` stay open in it."""
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ConfigurationError(f"timeout={timeout!r}: give the command's deadline in seconds, > 0")
     data = stdin.encode() if isinstance(stdin, str) else stdin
@@ -99,7 +112,8 @@ def run_process(argv: Sequence[str], *, stdin: bytes | str | None, env: Mapping[
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env), cwd=cwd,
-                                start_new_session=True, preexec_fn=limits.apply)
+                                start_new_session=True, pass_fds=tuple(pass_fds),
+                                preexec_fn=limits.apply if prepare is None else lambda: (prepare(), limits.apply()))
     except OSError as exc:
         raise SandboxError(f"could not start {argv[0]!r}: {exc}") from exc
     kept: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
