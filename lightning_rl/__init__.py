@@ -44,6 +44,7 @@ from .records import (
     Trajectory,
 )
 from .store import InMemoryStore, SQLiteStore, Store, register_credit, samples, trajectories, trajectory
+from . import sandbox  # noqa: F401 - callable: lrl.sandbox() is the try's sandbox (lightning_rl/sandbox/__init__.py)
 from .tracer import agent_scope, current_endpoint, current_rollout_id, emit_reward, rollout_overrides, tool_span, trace
 
 __version__ = "0.1.0"
@@ -53,6 +54,8 @@ _LAZY = {
     "ContinuousTrainer": "lightning_rl.trainer_bridge.continuous",
     "GroupJudge": "lightning_rl.judge",
     "LocalConfig": "lightning_rl.trainer_bridge.config",
+    "SandboxPool": "lightning_rl.sandbox.pool",
+    "Snapshot": "lightning_rl.sandbox.layers",
     "StoredGroups": "lightning_rl.trainer_bridge.sources",
     "TrainResult": "lightning_rl.trainer_bridge.trainer",
     "Trainer": "lightning_rl.trainer_bridge.trainer",
@@ -62,6 +65,7 @@ _LAZY = {
     "opencode": "lightning_rl.gateway.coding_agents",
     "plot_metrics": "lightning_rl.trainer_bridge.plotting",
     "replay": "lightning_rl.trainer_bridge.replay",
+    "sandboxes": "lightning_rl.sandbox.tries",
 }
 
 
@@ -101,7 +105,9 @@ __all__ = [
     "RolloutStatus",
     "SQLiteStore",
     "Sample",
+    "SandboxPool",
     "SchemaTooNewError",
+    "Snapshot",
     "Span",
     "Store",
     "StoreError",
@@ -131,6 +137,7 @@ __all__ = [
     "replay",
     "rollout_overrides",
     "samples",
+    "sandboxes",
     "set_policy_version",
     "stats",
     "tool_span",

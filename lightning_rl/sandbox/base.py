@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from ..diagnostics import count
 from ..errors import ConfigurationError, SandboxError
 
 #: Why a run ended: the command exited, a signal ended it, the deadline did (the whole tree was killed), or it
@@ -142,6 +143,7 @@ def run_process(argv: Sequence[str], *, stdin: bytes | str | None, env: Mapping[
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         ended = "deadline"
+        count("sandbox_killed_at_deadline")
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -32,6 +32,15 @@ def set_aside_counts() -> dict[str, int]:
     return {name: found.get(name, 0) for name in SET_ASIDE}
 
 
+def sandbox_counts() -> dict[str, int]:
+    """This process's sandbox pools' counts (``lightning_rl.sandbox.SANDBOX_METRICS``, cumulative), without the
+    ``sandbox_`` prefix: started, reused, failed to start, killed at the deadline, reset time."""
+    from ..sandbox.pool import SANDBOX_METRICS
+
+    found = counters()
+    return {name.removeprefix("sandbox_"): found.get(name, 0) for name in SANDBOX_METRICS}
+
+
 def batch_samples(batch: StepBatch, *, level: str, agents: str | Sequence[str] | None, infra_errors: Iterable[str],
                   failure_reward: float) -> tuple[list[Sample], list[float], dict[str, Any]]:
     """The samples of a batch's groups (failures handled as the module says), the reward of each
@@ -64,7 +73,7 @@ def batch_samples(batch: StepBatch, *, level: str, agents: str | Sequence[str] |
                     samples.append(sample)
     counts = {"outcomes": dict(batch.outcomes), **failures.as_metrics(), "prefix_splits": stats.splits,
               "calls_without_engine_ids": stats.missing_token_ids, "unrewarded_samples": stats.skipped_unrewarded,
-              "rollouts_without_llm_calls": without_calls, **set_aside_counts()}
+              "rollouts_without_llm_calls": without_calls, **set_aside_counts(), "sandbox": sandbox_counts()}
     return samples, rewards, counts
 
 

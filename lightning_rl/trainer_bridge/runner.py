@@ -37,8 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..diagnostics import count, report_failure
-from ..errors import ConfigurationError, LightningRLError
-from ..records import QueueEntry, RolloutStatus
+from ..errors import ConfigurationError, LightningRLError, SandboxError, check_reward
+from ..records import QueueEntry, Reward, RewardSource, RolloutStatus
+from ..sandbox.tries import Tries, tries_of
 from ..store.protocols import Store
 from ..store.queries import wait_for_groups
 from ..store.task_queue import check_wait
@@ -54,12 +55,19 @@ __all__ = ["LoopThread", "Runner", "agent_reference", "load_agent", "run_in_proc
 class Runner:
     def __init__(self, store: Store, agent: Callable[[Any], Any], *, runner_id: str | None = None,
                  concurrency: int = 8, lease_seconds: float = 60.0, rollout_timeout: float | None = 120.0,
-                 poll: float = 0.05, wait: float = 5.0, loop: asyncio.Runner | LoopThread | None = None) -> None:
+                 poll: float = 0.05, wait: float = 5.0, loop: asyncio.Runner | LoopThread | None = None,
+                 sandboxes: Any = None, score: Callable[[Any, Any], float] | None = None, protect: Sequence[str] = (),
+                 infra_retries: int = 2) -> None:
         if not isinstance(poll, (int, float)) or isinstance(poll, bool) or not poll > 0:
             raise ConfigurationError(f"poll is the pause between lease requests in seconds, got poll={poll!r}; "
                                      "give e.g. poll=0.05")
+        if score is not None and sandboxes is None:
+            raise ConfigurationError("score= runs in each try's sandbox after its agent: give sandboxes=SandboxPool(...)")
         self.store = store
         self.agent = agent
+        #: each try's sandbox comes from this pool (``lrl.sandbox()`` in the agent); after a try that succeeded,
+        #: ``protect`` (paths: tests, .git) is restored in it and ``score(task, sandbox)`` is its reward
+        self.sandboxes, self.score, self.protect, self.infra_retries = sandboxes, score, tuple(protect), infra_retries
         self.runner_id = runner_id or f"runner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.concurrency = concurrency
         self.lease_seconds = lease_seconds
@@ -230,14 +238,23 @@ class Runner:
                 overrides["endpoint"] = tuple(entry.overrides["endpoint"])
             if entry.overrides.get("sampling"):
                 overrides["sampling"] = dict(entry.overrides["sampling"])
+        tries = None if self.sandboxes is None else Tries(self.sandboxes, self.infra_retries)
         try:
-            with rollout_overrides(**overrides):
+            if tries is not None:  # taken before the agent starts (off the loop): a start never blocks other tries
+                try:
+                    await asyncio.to_thread(tries.take, entry.rollout_id)
+                except SandboxError as exc:  # its starts failed past the retries: the world's failure, not the model's
+                    await self._store_call(self.store.expire_rollout, entry, f"SandboxError: {exc}")
+                    raise TimeoutError(str(exc)) from None
+            with rollout_overrides(**overrides), tries_of(tries):
                 if self.is_async:
                     if lease.expired():
                         raise _LeaseGone
                     await self.agent(entry.task)
                 else:
                     await self._run_sync(entry, lease)
+            if tries is not None and self.score is not None:
+                await asyncio.to_thread(self._score, entry, tries)
         except _LeaseGone:
             outcome = None  # never started: the queue retries the try under a new rollout id
             count("runner_tries_not_started_lease_expired")
@@ -247,6 +264,8 @@ class Runner:
             outcome = RolloutStatus.FAILED  # recorded on the rollout by @trace; never a success
         finally:
             beat.cancel()
+            if tries is not None:
+                await asyncio.to_thread(tries.give_back)
         if outcome is None:
             return
         await self._complete(entry, outcome)
@@ -287,6 +306,21 @@ class Runner:
                       "its thread was left to finish, and its result is not used")
             self.store.expire_rollout(entry, reason)
             raise
+
+    def _score(self, entry: QueueEntry, tries: "Tries") -> None:
+        """The reward of a try that succeeded, computed in its sandbox with the protected paths restored first (no
+        agent edits its way to a reward); a score that fails is counted and logged, and the try has no reward."""
+        box = tries.leases.get(entry.rollout_id)
+        if box is None:
+            return
+        try:
+            restored = box[1].restore(self.protect) if self.protect else []
+            if restored:
+                count("sandbox_protected_restored", len(restored))
+            value = check_reward(self.score(entry.task, box[1]), what="the score of the try's sandbox")
+            self.store.write_reward(Reward(rollout_id=entry.rollout_id, value=value, source=RewardSource.FUNCTION))
+        except Exception as exc:  # noqa: BLE001 - one try's score never stops the runner
+            report_failure("sandbox score", exc)
 
     async def _complete(self, entry: QueueEntry, outcome: RolloutStatus) -> None:
         """Record the outcome; while the store is away, keep trying for as long as a lease lasts."""

@@ -1,0 +1,207 @@
+"""A pool of sandboxes per snapshot: warm ones handed out after a liveness check, at most ``size`` in use or idle,
+at most ``max_starting`` starting at once (a crowd of starts is what overloads a daemon), a deadline on each start,
+reset on return (copy-on-write: milliseconds), and the counts on every batch's metrics line.
+
+A sandbox's lifetime in the pool is the try's deadline plus ``lifetime_margin`` (stated, never equal to the
+deadline: a lifetime equal to it kills long tries at their last step); one held past it is taken back and closed,
+and its try then fails as infrastructure (``SandboxError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..diagnostics import count
+from ..errors import ConfigurationError, SandboxError
+from .backends import open_sandbox
+from .base import Limits
+from .layers import Snapshot
+
+#: The pool's counts (this process's counters; put on every batch's metrics line under "sandbox").
+SANDBOX_METRICS = ("sandbox_started", "sandbox_reused", "sandbox_start_failed", "sandbox_dead_on_checkout",
+                   "sandbox_killed_at_deadline", "sandbox_expired", "sandbox_reset_ms_total", "sandbox_resets",
+                   "sandbox_infra_retries", "sandbox_protected_restored")
+
+
+class SandboxPool:
+    """Sandboxes of one ``snapshot`` (a :class:`Snapshot`) on ``backend``. ``acquire()`` (a context manager; async:
+    ``acquire_async``) gives one: an idle warm one if alive, else a new one (waiting while ``size`` are out);
+    leaving the block resets it and puts it back (closed instead when its try broke it: ``lease.broken = True``).
+    ``warm``: how many are started ahead by ``prewarm()``."""
+
+    def __init__(self, snapshot: Snapshot, *, backend: str = "bwrap", size: int = 8, warm: int = 0,
+                 max_starting: int = 4, start_timeout: float = 60.0, try_timeout: float = 600.0,
+                 lifetime_margin: float = 60.0, limits: Limits | None = None, **backend_options: Any) -> None:
+        for name, value in (("size", size), ("max_starting", max_starting)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"SandboxPool({name}={value!r}): give a whole number >= 1")
+        if not isinstance(warm, int) or not 0 <= warm <= size:
+            raise ConfigurationError(f"SandboxPool(warm={warm!r}): give a whole number from 0 to size ({size})")
+        for name, value in (("start_timeout", start_timeout), ("try_timeout", try_timeout),
+                            ("lifetime_margin", lifetime_margin)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigurationError(f"SandboxPool({name}={value!r}): give seconds, > 0")
+        self.snapshot, self.backend, self.size, self.warm = snapshot, backend, size, warm
+        self.start_timeout, self.try_timeout, self.lifetime_margin = start_timeout, try_timeout, lifetime_margin
+        self.limits, self.options = limits, backend_options
+        self._slots = threading.BoundedSemaphore(size)
+        self._starting = threading.BoundedSemaphore(max_starting)
+        self._lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._out: dict[int, tuple[Any, float]] = {}  # id(sandbox) -> (sandbox, expiry)
+        self.starting_now = self.most_starting = 0
+        self.closed = False
+
+    @property
+    def lifetime(self) -> float:
+        """How long a handed-out sandbox lives: the try's deadline plus the margin."""
+        return self.try_timeout + self.lifetime_margin
+
+    def _start(self) -> Any:
+        if not self._starting.acquire(timeout=self.start_timeout):
+            count("sandbox_start_failed")
+            raise SandboxError(f"no sandbox could start within {self.start_timeout:g} s: {self.most_starting} were "
+                               "starting at once; raise start_timeout or lower the concurrency")
+        with self._lock:
+            self.starting_now += 1
+            self.most_starting = max(self.most_starting, self.starting_now)
+        began = time.monotonic()
+        try:
+            box = open_sandbox(self.backend, snapshot=self.snapshot, limits=self.limits, **self.options)
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            count("sandbox_start_failed")
+            raise exc if isinstance(exc, SandboxError) else SandboxError(f"the sandbox could not start: {exc}") from exc
+        finally:
+            with self._lock:
+                self.starting_now -= 1
+            self._starting.release()
+        if time.monotonic() - began > self.start_timeout:
+            box.close()
+            count("sandbox_start_failed")
+            raise SandboxError(f"the sandbox took {time.monotonic() - began:.1f} s to start, past start_timeout="
+                               f"{self.start_timeout:g} s")
+        count("sandbox_started")
+        return box
+
+    def prewarm(self) -> int:
+        """Start sandboxes until ``warm`` are idle; returns how many were started."""
+        started = 0
+        while len(self._idle) < self.warm and self._slots.acquire(blocking=False):
+            try:
+                box = self._start()
+            except BaseException:
+                self._slots.release()
+                raise
+            with self._lock:
+                self._idle.append(box)
+            self._slots.release()
+            started += 1
+        return started
+
+    def _checkout(self, timeout: float | None) -> Any:
+        self._reap()
+        if self.closed:
+            raise SandboxError("this sandbox pool is closed")
+        if not self._slots.acquire(timeout=-1 if timeout is None else timeout):
+            raise SandboxError(f"no sandbox was free within {timeout:g} s ({self.size} in use); raise the pool's size")
+        try:
+            box = None
+            while box is None:
+                with self._lock:
+                    candidate = self._idle.pop() if self._idle else None
+                if candidate is None:
+                    box = self._start()
+                elif candidate.alive():
+                    box = candidate
+                    count("sandbox_reused")
+                else:
+                    count("sandbox_dead_on_checkout")
+                    candidate.close()
+            with self._lock:
+                self._out[id(box)] = (box, time.monotonic() + self.lifetime)
+            return box
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _checkin(self, box: Any, broken: bool) -> None:
+        with self._lock:
+            held = self._out.pop(id(box), None)
+        if held is None:  # taken back at its expiry
+            return
+        try:
+            if broken or self.closed or not box.alive():
+                box.close()
+                return
+            try:
+                took = box.reset()
+            except Exception:
+                box.close()
+                return
+            count("sandbox_resets")
+            count("sandbox_reset_ms_total", round(took * 1000))
+            with self._lock:
+                self._idle.append(box)
+        finally:
+            self._slots.release()
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [(key, box) for key, (box, until) in self._out.items() if until < now]
+            for key, _ in expired:
+                del self._out[key]
+        for _, box in expired:
+            count("sandbox_expired")
+            box.close()
+            self._slots.release()
+
+    @contextlib.contextmanager
+    def acquire(self, timeout: float | None = None) -> Iterator[Any]:
+        """A sandbox for one try (reset and returned when the block ends; closed if ``broken`` was set on it)."""
+        box = self._checkout(timeout)
+        box.broken = False
+        try:
+            yield box
+        except SandboxError:
+            box.broken = True
+            raise
+        finally:
+            self._checkin(box, getattr(box, "broken", False))
+
+    @contextlib.asynccontextmanager
+    async def acquire_async(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        box = await asyncio.to_thread(self._checkout, timeout)
+        box.broken = False
+        try:
+            yield box
+        except SandboxError:
+            box.broken = True
+            raise
+        finally:
+            await asyncio.to_thread(self._checkin, box, getattr(box, "broken", False))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"idle": len(self._idle), "in_use": len(self._out), "most_starting": self.most_starting}
+
+    def close(self) -> None:
+        self.closed = True
+        with self._lock:
+            boxes = self._idle + [box for box, _ in self._out.values()]
+            self._idle, self._out = [], {}
+        for box in boxes:
+            box.close()
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

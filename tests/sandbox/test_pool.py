@@ -1,0 +1,154 @@
+"""Pools of sandboxes per snapshot (bounded, a cap on starts, a liveness check, reset on return, a lifetime past the
+try's deadline) and where agents meet them: ``lrl.sandbox()`` in a rollout (each command a tool span), runners that
+give each try a sandbox and score it there with the protected files restored, and sandbox failures kept out of the
+gradient."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import orjson
+import pytest
+
+import lightning_rl as lrl
+from lightning_rl import semconv
+from lightning_rl.diagnostics import counters
+from lightning_rl.errors import ConfigurationError, SandboxError
+from lightning_rl.records import RolloutStatus
+from lightning_rl.sandbox import SANDBOX_BACKENDS, BwrapSandbox, SandboxPool, Snapshot
+from lightning_rl.trainer_bridge.failures import failure_kind
+from lightning_rl.trainer_bridge.runner import Runner
+
+
+@pytest.fixture
+def snapshot(tmp_path):
+    (tmp_path / "task" / "tests").mkdir(parents=True)
+    (tmp_path / "task" / "tests" / "test_it.sh").write_text("grep -q fixed answer.txt\n")
+    (tmp_path / "task" / "answer.txt").write_text("broken\n")
+    with Snapshot(tmp_path / "task") as snap:
+        yield snap
+
+
+def test_a_pool_hands_out_live_sandboxes_reset_and_bounded(snapshot):
+    before = counters()
+    with SandboxPool(snapshot, size=2, warm=1) as pool:
+        assert pool.prewarm() == 1 and pool.stats()["idle"] == 1
+        with pool.acquire() as a:
+            a.run(["sh", "-c", "echo mine > note.txt"])
+            with pool.acquire() as b:
+                assert b is not a and b.run(["ls"]).stdout.split() == ["answer.txt", "tests"]
+                with pytest.raises(SandboxError, match="no sandbox was free within 0.2 s"):
+                    with pool.acquire(timeout=0.2):
+                        pass
+        with pool.acquire() as again:  # a returned one, reset: the last try's writes are gone
+            assert again.run(["ls"]).stdout.split() == ["answer.txt", "tests"]
+            again.close()  # died in use: not handed out again
+        with pool.acquire() as fresh:
+            assert fresh.alive()
+    after = counters()
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in ("sandbox_started", "sandbox_reused", "sandbox_resets")}
+    assert grew["sandbox_started"] == 2 and grew["sandbox_reused"] >= 2 and grew["sandbox_resets"] >= 2
+
+
+def test_no_more_than_max_starting_start_at_once(snapshot, monkeypatch):
+    real = BwrapSandbox.__init__
+
+    def slow_start(self, *args, **kwargs):
+        time.sleep(0.2)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(BwrapSandbox, "__init__", slow_start)
+    with SandboxPool(snapshot, size=8, max_starting=2) as pool:
+        def one():
+            with pool.acquire():
+                time.sleep(0.1)
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert pool.most_starting == 2
+
+
+def test_a_sandbox_held_past_its_lifetime_is_taken_back(snapshot):
+    with SandboxPool(snapshot, size=1, try_timeout=0.2, lifetime_margin=0.1) as pool:
+        assert pool.lifetime == pytest.approx(0.3)
+        with pool.acquire() as box:
+            time.sleep(0.4)
+            with pool.acquire(timeout=5) as other:  # the expired one was reaped, its slot freed
+                assert not box.alive() and other.alive()
+    with pytest.raises(ConfigurationError, match="size=0"):
+        SandboxPool(snapshot, size=0)
+    with pytest.raises(ConfigurationError, match="try_timeout"):
+        SandboxPool(snapshot, try_timeout=-1)
+
+
+def test_lrl_sandbox_is_the_trys_own_and_its_commands_are_tool_spans(traced, snapshot):
+    @lrl.trace
+    def agent(task):
+        box = lrl.sandbox()
+        assert box is not None and lrl.sandbox().box is box.box  # one per try
+        done = box.run(["sh", "-c", "cat answer.txt; echo fixed > answer.txt; exit 4"])
+        return float(done.exit_code)
+
+    with SandboxPool(snapshot, size=2) as pool, lrl.sandboxes(pool):
+        assert agent({"i": 1}) == 4.0
+    (rollout,) = traced.rollouts()
+    (tool,) = [s for s in traced.spans(rollout.rollout_id) if s.name == "execute_tool sandbox"]
+    assert orjson.loads(tool.attributes[semconv.TOOL_ARGUMENTS]) == ["sh", "-c", "cat answer.txt; echo fixed > "
+                                                                          "answer.txt; exit 4"]
+    result = orjson.loads(tool.attributes[semconv.TOOL_RESULT])
+    assert result["exit_code"] == 4 and result["ended"] == "exit" and result["stdout"] == "broken\n"
+    with pytest.raises(ConfigurationError, match="inside a traced agent"):
+        lrl.sandbox()
+
+
+def test_a_runner_gives_each_try_a_sandbox_and_scores_it_with_the_tests_restored(traced, snapshot):
+    @lrl.trace
+    def agent(task):
+        box = lrl.sandbox()
+        box.run(["sh", "-c", task["script"]])
+
+    def score(task, box):
+        return 1.0 if box.run(["sh", "tests/test_it.sh"]).ok else 0.0
+
+    scripts = {"honest": "echo fixed > answer.txt",
+               "cheat": "echo true > tests/test_it.sh",  # edits the test instead of the answer
+               "nothing": "true"}
+    groups = {k: traced.enqueue({"script": v}, n=2)[0].group_id for k, v in scripts.items()}
+    with SandboxPool(snapshot, size=3) as pool:
+        Runner(traced, agent, concurrency=3, sandboxes=pool, score=score,
+               protect=["tests"]).run_until_done(list(groups.values()))
+    rewards = {k: {traced.rewards(e.rollout_id)[0].value for e in traced.queue_entries([g])} for k, g in groups.items()}
+    assert rewards == {"honest": {1.0}, "cheat": {0.0}, "nothing": {0.0}}
+    assert counters().get("sandbox_protected_restored", 0) >= 2
+
+
+def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure_after_its_retries(traced, snapshot):
+    attempts = []
+
+    @SANDBOX_BACKENDS.register("broken-for-test")
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            attempts.append(1)
+            raise SandboxError("the image could not start (test)")
+
+    @lrl.trace
+    def agent(task):
+        lrl.sandbox()
+        return 1.0
+
+    try:
+        group = traced.enqueue({"i": 1}, n=2)[0].group_id
+        with SandboxPool(snapshot, backend="broken-for-test") as pool:
+            Runner(traced, agent, concurrency=2, sandboxes=pool, infra_retries=1).run_until_done([group])
+    finally:
+        SANDBOX_BACKENDS._entries.pop("broken-for-test", None)
+        SANDBOX_BACKENDS._traits.pop("broken-for-test", None)
+    assert len(attempts) == 4  # two tries, each started twice (one retry)
+    for entry in traced.queue_entries([group]):
+        rollout = traced.get_rollout(entry.rollout_id)
+        assert rollout.status == RolloutStatus.TIMED_OUT and "SandboxError" in rollout.error
+        assert failure_kind(rollout) == "infra"  # its group leaves the batch
