@@ -125,7 +125,7 @@ def claude_code(prompt: str | Callable[[Any], str] | None = None, *, upstream: s
                 context_window: int | None = None, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                 cwd: str | os.PathLike[str] | None = None, timeout: float | None = 600.0,
                 reward: Callable[[Any, str], float | None] | None = None, mode: str | None = None,
-                binary: str | None = None) -> Callable[[Any], Any]:
+                binary: str | None = None, sandbox: str | None = "bwrap") -> Callable[[Any], Any]:
     """Claude Code (``claude -p``) as a traced agent: ``lrl.command`` running the CLI once per task, every
     LLM call it makes (its main agent's, its sub-agents', its compactions') recorded through the gateway
     with the engine's token ids and log-probs, streamed as it streams.
@@ -147,7 +147,12 @@ def claude_code(prompt: str | Callable[[Any], str] | None = None, *, upstream: s
     The CLI runs with its own configuration folder (``CLAUDE_CONFIG_DIR``, a temporary one unless ``env``
     gives one: your settings and logins are not read), no session files, and its non-LLM traffic off
     (``CLAUDE_CODE_QUIET``). ``binary``: the executable (else ``$LIGHTNING_RL_CLAUDE``, ``claude`` on PATH,
-    a checkout's ``examples/cli_agents``); tested with version 2.1.332."""
+    a checkout's ``examples/cli_agents``); tested with version 2.1.332.
+
+    ``sandbox``: by default the CLI runs in a ``bwrap`` sandbox (``lrl.command(sandbox=)``): the try's own when its
+    runner gave it one, else a fresh one with a copy of ``cwd``, as its working folder; it reaches the gateway and
+    nothing else, sees no home, project or secret of the host, and its configuration folder is in the sandbox's
+    private ``/tmp``. ``sandbox="none"``: on the host, as this user (by name only)."""
     from .command import command  # late: command.py imports the app, which imports this module
 
     exe = find_cli(binary, "claude", ENV_CLI_BINARY["claude"], f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}")
@@ -168,10 +173,13 @@ def claude_code(prompt: str | Callable[[Any], str] | None = None, *, upstream: s
     if context_window is not None:
         settings["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(context_window)
     settings.update(env or {})
-    settings.setdefault("CLAUDE_CONFIG_DIR", tempfile.mkdtemp(prefix="claude-code-", dir=_root()))
+    jailed = sandbox not in (None, "none")
+    settings.setdefault("CLAUDE_CONFIG_DIR", "/tmp/claude-code" if jailed else
+                        tempfile.mkdtemp(prefix="claude-code-", dir=_root()))
     # no reward= : none (the CLI's last line is the model's answer, not a reward)
     return command(argv, upstream=upstream, name=name, agent=agent, env=settings, timeout=timeout, mode=mode,
-                   reward=reward or _no_reward, model=model, stdin=_prompt_of(prompt), cwd=cwd)
+                   reward=reward or _no_reward, model=model, stdin=_prompt_of(prompt), cwd=cwd,
+                   sandbox=sandbox if jailed else None)
 
 
 # --- Codex -------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import math
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import orjson
 
 from ..diagnostics import count
-from ..errors import CommandFailed, ConfigurationError
+from ..errors import CommandFailed, ConfigurationError, SandboxError
 from ..settings import ENV_MODEL, ENV_REWARDS_URL, ENV_ROLLOUT_ID, ENV_TASK
 from ..tracer.context import current_rollout
 from ..tracer.decorator import current_endpoint, trace
@@ -60,7 +61,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
             agent: str | None = None, env: Mapping[str, str] | None = None, timeout: float | None = None,
             mode: str | None = None, reward: Callable[[Any, str], float | None] | None = None,
             model: str | None = None, stdin: Callable[[Any], str] | None = None,
-            cwd: str | os.PathLike[str] | None = None, label: str | None = None) -> Callable[[Any], Any]:
+            cwd: str | os.PathLike[str] | None = None, label: str | None = None,
+            sandbox: str | None = None) -> Callable[[Any], Any]:
     """An agent that is a command: a traced async function ``agent(task)`` that runs ``argv`` once per
     rollout, for ``Trainer`` or any caller, in any language.
 
@@ -89,7 +91,14 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
 
     ``reward``: the rollout's reward is ``reward(task, stdout)`` (the process's output, as text) instead of
     the number on its last line (the coding-agent CLIs, whose last line is the model's answer).
-    ``label``: how its failures and timeouts name the process (default: its arguments)."""
+    ``label``: how its failures and timeouts name the process (default: its arguments).
+
+    ``sandbox``: a sandbox backend (``"bwrap"``) to run the process in, reaching only the rollout's gateway (bridged
+    in: ``lightning_rl.sandbox.bridge``), with a clean environment (the rollout's variables and ``env``, nothing of
+    this process's) and the try's folder as its working folder: the try's own sandbox when its runner gave it one
+    (``lrl.sandbox()``), else a fresh one with a copy of ``cwd``. Its program's folder is readable in there. A
+    sandbox that fails to start raises ``SandboxError`` (an infrastructure failure). ``None``/``"none"``: on this
+    host, as this user."""
     if isinstance(argv, str) or not argv or not argv[0] or not all(isinstance(a, str) for a in argv):
         raise ConfigurationError(f"command needs the program and its arguments as a list of strings, e.g. "
                                  f"['node', 'agent.mjs'], got {argv!r}")
@@ -99,6 +108,12 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
     argv = list(argv)
     shown = label or " ".join(argv)
     extra = dict(env or {})
+    if sandbox == "none":
+        sandbox = None
+    if sandbox is not None:
+        from ..sandbox import SANDBOX_BACKENDS
+
+        SANDBOX_BACKENDS.get(sandbox)  # an unknown name is refused here, naming the known ones
 
     @trace(name=name or os.path.basename(argv[-1]), agent=agent, mode=mode)
     async def run(task: Any) -> float | None:
@@ -114,7 +129,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
         state = current_rollout()
         opened = gw.gateway.adopt(state, current_our_span(), gw.url, model=served)
         task_json = orjson.dumps(task).decode()
-        child_env = {**os.environ, **extra, "OPENAI_BASE_URL": opened["base_url"], "OPENAI_API_KEY": opened["api_key"],
+        child_env = {**({} if sandbox else os.environ), **extra, "OPENAI_BASE_URL": opened["base_url"],
+                     "OPENAI_API_KEY": opened["api_key"],
                      # Anthropic's clients add /v1 themselves
                      "ANTHROPIC_BASE_URL": opened["base_url"].removesuffix("/v1"),
                      "ANTHROPIC_API_KEY": opened["api_key"],
@@ -128,10 +144,15 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
         if cwd is not None:  # as a shell sets it: a CLI that reads $PWD (opencode) must see its own folder
             child_env["PWD"] = os.path.abspath(cwd)
         given = (task_json if stdin is None else stdin(task)).encode() + b"\n"
+        jail = _Jail(sandbox, argv, cwd, gw.url) if sandbox else None
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env, cwd=cwd,
-                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                        start_new_session=True)  # its group: killed with it
+            if jail is None:
+                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env,
+                                                            cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                                                            stderr=asyncio.subprocess.PIPE,
+                                                            start_new_session=True)  # its group: killed with it
+            else:
+                proc = await jail.start(child_env)
             try:
                 out, err = await asyncio.wait_for(proc.communicate(given), timeout)
             except BaseException as exc:  # timed out or cancelled: the process and its group go too
@@ -143,14 +164,87 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
                                        "was killed (the calls it made are kept)") from None
                 raise
             _kill_group(proc.pid)  # what it left running in the background
+            if jail is not None:
+                jail.check_started(err)
         finally:
             gw.gateway.release(state.rollout_id)
+            if jail is not None:
+                await asyncio.to_thread(jail.close)
         if proc.returncode != 0:
             tail = err.decode(errors="replace").strip()[-2000:] or out.decode(errors="replace").strip()[-2000:]
             raise CommandFailed(f"{shown} exited with status {proc.returncode}: {tail or '(no output)'}")
         return _reward_of(out) if reward is None else reward(task, out.decode(errors="replace"))
 
     return run
+
+
+class _Jail:
+    """A command's run in a sandbox (``command(sandbox=)``): the try's own or a fresh one, the gateway bridged in."""
+
+    def __init__(self, backend: str, argv: list[str], cwd: Any, gateway_url: str) -> None:
+        from ..sandbox import current_sandbox, open_sandbox
+        from ..sandbox.bridge import UnixBridge
+
+        self.box = current_sandbox(required=False)
+        self.own = self.box is None
+        if self.own:
+            self.box = open_sandbox(backend, cwd)
+        if not hasattr(self.box, "launch"):
+            raise ConfigurationError(f"the {type(self.box).__name__} sandbox cannot run a command behind the gateway "
+                                     "bridge; use the bwrap backend")
+        address = gateway_url.split("//", 1)[1].split("/", 1)[0]
+        self.bridge = UnixBridge(address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1]))
+        self.argv = argv
+        self.read_only = [_install_folder(argv[0])] if _install_folder(argv[0]) else []
+        self.status = self.cleanup = None
+
+    async def start(self, env: dict[str, Any]) -> Any:
+        from ..sandbox.bridge import INSIDE_FOLDER
+
+        env = {**env, "HOME": "/tmp", "PWD": self.box.workdir}
+        read, write = os.pipe()
+        self.status = read
+        try:
+            full, prepare, self.cleanup = self.box.launch(self.bridge.wrap(self.argv), env, None, write,
+                                                          binds={str(self.bridge.folder): INSIDE_FOLDER},
+                                                          read_only=self.read_only)
+            return await asyncio.create_subprocess_exec(*full, stdin=asyncio.subprocess.PIPE, env={},
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                        cwd=str(self.box.root), start_new_session=True,
+                                                        preexec_fn=prepare, pass_fds=(write,))
+        finally:
+            os.close(write)
+
+    def check_started(self, err: bytes) -> None:
+        from ..sandbox.backends import read_status
+
+        if b"child-pid" not in read_status(self.status):
+            raise SandboxError(f"the {type(self.box).__name__} sandbox could not start the command: "
+                               f"{err.decode(errors='replace').strip()[-500:] or '(no output)'}")
+
+    def close(self) -> None:
+        if self.status is not None:
+            os.close(self.status)
+        if self.cleanup is not None:
+            self.cleanup()
+        self.bridge.close()
+        if self.own:
+            self.box.close()
+
+
+def _install_folder(program: str) -> str | None:
+    """The folder a sandboxed program needs to read to run (its package: the top ``node_modules`` above it, else its
+    own folder); None for one in the system's folders, which every sandbox reads."""
+    found = shutil.which(program)
+    if found is None:
+        return None
+    real = os.path.realpath(found)
+    if real.startswith(("/usr/", "/bin/", "/sbin/", "/lib")):
+        return None
+    parts = real.split(os.sep)
+    if "node_modules" in parts:
+        return os.sep.join(parts[: parts.index("node_modules") + 1])
+    return os.path.dirname(real)
 
 
 def _kill_group(pgid: int) -> None:

@@ -248,10 +248,12 @@ class BwrapSandbox(_FolderSandbox):
         super().__init__(source, snapshot=snapshot, limits=limits, in_place=in_place)
         self.network = network
         self.binds = tuple(binds)
-        self.sockets = dict(sockets or {})  # path inside -> a Unix socket on the host (the gateway's bridge)
+        self.sockets = dict(sockets or {})  # a host folder -> its path inside (the gateway's bridge)
 
-    def command(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, status_fd: int | None = None) -> list[str]:
-        """The bwrap command line that runs ``argv`` in this sandbox."""
+    def command(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, status_fd: int | None = None,
+                binds: Mapping[str, str] | None = None, read_only: Sequence[str] = ()) -> list[str]:
+        """The bwrap command line that runs ``argv`` in this sandbox (``binds``: host folder -> path inside, for
+        this command; ``read_only``: host paths it may read, at the same path)."""
         args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--hostname", "sandbox"]
         if status_fd is not None:
             args += ["--json-status-fd", str(status_fd)]
@@ -273,17 +275,19 @@ class BwrapSandbox(_FolderSandbox):
         if self.limits.disk_mb is not None:
             args += ["--size", str(self.limits.disk_mb << 20)]
         args += ["--tmpfs", "/tmp", "--bind", str(mine), self.workdir]
-        for path in self.binds:
+        for path in (*self.binds, *read_only):
             args += ["--ro-bind", path, path]
-        for inside_path, host_socket in self.sockets.items():
-            args += ["--bind", host_socket, inside_path]
+        for host_path, inside_path in {**self.sockets, **(binds or {})}.items():
+            args += ["--bind", host_path, inside_path]
         args += ["--chdir", cwd or self.workdir, "--clearenv"]
         for key, value in env.items():
             args += ["--setenv", key, value]
         return [*args, "--", *argv]
 
-    def run(self, argv: Sequence[str], *, stdin: bytes | str | None = None, env: Mapping[str, str] | None = None,
-            cwd: str | None = None, timeout: float = 60.0) -> RunResult:
+    def launch(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None, status_fd: int,
+               binds: Mapping[str, str] | None = None, read_only: Sequence[str] = ()) -> tuple[list[str], Any, Any]:
+        """What starting ``argv`` here takes: the bwrap command line, the function its child runs before exec (its
+        control group, the overlay) and the one to call after it ended (the group removed)."""
         self._check_open()
         if not argv:
             raise ConfigurationError("argv is empty; give the command and its arguments, e.g. ['python3', 'test.py']")
@@ -299,31 +303,49 @@ class BwrapSandbox(_FolderSandbox):
                 group.join()
             if options is not None:
                 mount_overlay_in_child(options, merged)
+            limits.apply()
 
+        full = self.command(argv, self._env(env, self.workdir), cwd, status_fd=status_fd, binds=binds,
+                            read_only=read_only)
+        return full, prepare, (group.close if group is not None else (lambda: None))
+
+    def run(self, argv: Sequence[str], *, stdin: bytes | str | None = None, env: Mapping[str, str] | None = None,
+            cwd: str | None = None, timeout: float = 60.0) -> RunResult:
         read, write = os.pipe()
+        cleanup = None
         try:
-            done = run_process(self.command(argv, self._env(env, self.workdir), cwd, status_fd=write), stdin=stdin,
-                               env={}, cwd=str(self.root), timeout=timeout, limits=self.limits, prepare=prepare,
-                               pass_fds=(write,))
+            full, prepare, cleanup = self.launch(argv, env, cwd, write)
+            done = run_process(full, stdin=stdin, env={}, cwd=str(self.root), timeout=timeout,
+                               limits=dataclasses.replace(self.limits, **UNLIMITED), prepare=prepare, pass_fds=(write,))
             os.close(write)
             write = -1
-            os.set_blocking(read, False)
-            try:
-                status = os.read(read, 65536)
-            except BlockingIOError:
-                status = b""
+            status = read_status(read)
         finally:
             if write >= 0:
                 os.close(write)
             os.close(read)
-            if group is not None:
-                group.close()
+            if cleanup is not None:
+                cleanup()
         if b"child-pid" not in status and done.ended != "deadline":  # bwrap never started the command
             raise SandboxError(f"the bwrap sandbox could not start the command (exit {done.exit_code}): "
                                f"{done.stderr.strip()[-500:] or '(no output)'}")
+        limits = self.limits
         if limits.disk_mb is not None and done.ended == "exit" and disk_usage(self.folder) > limits.disk_mb << 20:
             done = dataclasses.replace(done, ended="disk")
         return done
+
+
+#: The resource limits ``launch``'s ``prepare`` has already set (run_process keeps only the output cap).
+UNLIMITED = {"memory_mb": None, "cpu_seconds": None, "file_mb": None, "open_files": None, "processes": None}
+
+
+def read_status(read: int) -> bytes:
+    """What bwrap wrote to its status pipe (read after it ended; the write end closed)."""
+    os.set_blocking(read, False)
+    try:
+        return os.read(read, 65536)
+    except BlockingIOError:
+        return b""
 
 
 def open_sandbox(backend: str = "bwrap", source: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:

@@ -69,8 +69,9 @@ def test_claude_code_runs_a_tool_and_its_call_and_result_are_recorded(traced, vl
     (tmp_path / "work").mkdir()
     note = tmp_path / "work" / "note.txt"
     note.write_text("the answer is 42\n")
-    # the first answer may only be this call (guided decoding, tests/gateway/forcing_proxy.py): the CLI runs it
-    with ForcingProxy(vllm_long_url, call=("Read", {"file_path": str(note)})) as engine:
+    # the first answer may only be this call (guided decoding, tests/gateway/forcing_proxy.py): the CLI runs it, in
+    # its sandbox, where its copy of the task's folder is /work
+    with ForcingProxy(vllm_long_url, call=("Read", {"file_path": "/work/note.txt"})) as engine:
         agent = lrl.claude_code("Read {file} and tell me what it says.", upstream=engine.url, model=SERVED_NAME,
                                 tools="Read", allowed_tools="Read", system_prompt="You are a careful assistant.",
                                 max_turns=3, max_output_tokens=16, cwd=tmp_path / "work",
@@ -85,7 +86,7 @@ def test_claude_code_runs_a_tool_and_its_call_and_result_are_recorded(traced, vl
     _calls_with_engine_ids(traj)
     first, second = traj.llm_calls[:2]
     (asked,) = first.tool_calls
-    assert asked.name == "Read" and json.loads(asked.arguments) == {"file_path": str(note)}
+    assert asked.name == "Read" and json.loads(asked.arguments) == {"file_path": "/work/note.txt"}
     # the CLI ran it; its result came back in the next request (the answers after it may call no tool)
     asked_ids = {c.id for call in traj.llm_calls for c in call.tool_calls}
     assert {t.attributes[semconv.GEN_AI_TOOL_CALL_ID] for t in traj.tool_spans} <= asked_ids
@@ -148,8 +149,35 @@ def test_sub_agent_and_compaction_requests_are_told_apart(traced, vllm_long_url)
 
 
 def _group_alive(pgid: int) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pgid=,pid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.split()[0] == str(pgid)]
+    """The processes of a group still running (an exited one left unreaped, a zombie, runs nothing: the sandbox's
+    init, whose parent bwrap was killed, waits for the host's init to reap it)."""
+    out = subprocess.run(["ps", "-eo", "pgid=,pid=,stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] == str(pgid) and not line.split()[2].startswith("Z")]
+
+
+@needs_claude
+def test_claude_code_in_its_sandbox_reads_no_file_of_the_host_and_reaches_only_the_gateway(traced, vllm_long_url,
+                                                                                          tmp_path):
+    """The CLI runs in a bwrap sandbox by default: a Read of a host file (a secret beside the task) finds nothing,
+    and its calls still reach the engine through the gateway bridged into the sandbox (its only network)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret 1234\n")
+    (tmp_path / "work").mkdir()
+    with ForcingProxy(vllm_long_url, call=("Read", {"file_path": str(secret)})) as engine:
+        agent = lrl.claude_code("Read the file.", upstream=engine.url, model=SERVED_NAME, tools="Read",
+                                allowed_tools="Read", system_prompt="Be terse.", max_turns=2, max_output_tokens=8,
+                                cwd=tmp_path / "work", timeout=cli_time_limit(vllm_long_url, str(CLAUDE), calls=2))
+        with lrl.rollout_overrides(sampling=GREEDY):
+            try:
+                asyncio.run(agent("go"))
+            except CommandFailed:  # the run may end either way: what was recorded is what matters
+                pass
+    (rollout,) = traced.rollouts()
+    traj = lrl.trajectory(traced, rollout.rollout_id)
+    assert len(traj.llm_calls) >= 2  # the forced call, then the one carrying the tool's result
+    (tool,) = [t for t in traj.tool_spans if t.attributes[semconv.GEN_AI_TOOL_NAME] == "Read"]
+    assert "1234" not in tool.attributes[semconv.TOOL_RESULT] and "does not exist" in tool.attributes[semconv.TOOL_RESULT]
+    assert "host secret" not in json.dumps([c.input_messages for c in traj.llm_calls])
 
 
 @needs_claude
@@ -178,7 +206,7 @@ def test_a_failing_or_hanging_claude_code_ends_its_rollout_with_the_reason(trace
             asyncio.run(run())
     finally:
         silent.close()
-    assert seen and not any(_group_alive(pgid) for pgid in set(seen))  # no orphan left
+    assert seen and not any(_group_alive(pgid) for pgid in set(seen)), [_group_alive(p) for p in set(seen)]
     failed, timed_out = sorted(traced.rollouts(), key=lambda r: r.status)
     assert failed.status == RolloutStatus.FAILED and "no-such-flag" in failed.error
     assert timed_out.status == RolloutStatus.TIMED_OUT and "its process group was killed" in timed_out.error
