@@ -25,7 +25,8 @@ FACE = {"lightning_rl", "_api", "cli"}
 FORBIDDEN = {
     "bottom": {"tracer", "capture", "store", "adapters", "trainer_bridge", "face", "vllm_server", "gateway", "viewer",
                "rewards", "judge"},
-    "tracer": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
+    "tracer": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge",
+               "sandbox"},
     "capture": {"store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
     "store": {"tracer", "capture", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
     "adapters": {"store", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
@@ -34,9 +35,9 @@ FORBIDDEN = {
     "trainer_bridge": {"viewer"},
     "rewards": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer"},  # helpers over the tracer
     "judge": {"tracer", "capture", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards"},  # HTTP, over a store
-    # runs commands in isolation; knows nothing of rollouts, stores or trainers (they will use it)
-    "sandbox": {"tracer", "capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards",
-                "judge"},
+    # runs commands in isolation; of rollouts it knows only the tracer's (lrl.sandbox(): the try's sandbox, its
+    # commands as tool spans, in tries.py); runners and the gateway's commands use it, never the other way
+    "sandbox": {"capture", "store", "adapters", "trainer_bridge", "face", "gateway", "viewer", "rewards", "judge"},
 }
 
 

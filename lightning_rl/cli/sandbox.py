@@ -24,7 +24,7 @@ def sandbox_group() -> None:
 
 
 @sandbox_group.command("exec", context_settings={"ignore_unknown_options": True})
-@click.option("--backend", default="bwrap", show_default=True, help="bwrap, or local (no isolation, for debugging).")
+@click.option("--backend", default="bwrap", show_default=True, help="bwrap, docker or podman (make containers), or local (no isolation, for debugging).")
 @click.option("--dir", "folder", default=None, type=click.Path(file_okay=False),
               help="The task folder: the sandbox gets its own copy (default: an empty folder).")
 @click.option("--timeout", default=60.0, show_default=True, type=float, help="The command's deadline in seconds.")
@@ -69,10 +69,20 @@ def sandbox_doctor() -> None:
 
     Example: lightning-rl sandbox doctor
     """
-    from ..sandbox import bwrap_available
+    from ..sandbox import bwrap_available, overlay_available
+    from ..sandbox.cgroups import cgroups_missing
+    from ..sandbox.container import container_available
 
     missing = bwrap_available()
     click.echo("bwrap: works" if missing is None else f"bwrap: does not work: {missing}")
+    overlay = overlay_available()
+    click.echo("  copy-on-write snapshots: yes" if overlay is None else
+               f"  copy-on-write snapshots: no, each try gets a full copy ({overlay})")
+    groups = cgroups_missing()
+    click.echo("  processes, memory and CPU held by control groups: yes" if groups is None else f"  {groups}")
+    for cli in ("docker", "podman"):
+        absent = container_available(cli)
+        click.echo(f"{cli}: works" if absent is None else f"{cli}: does not work: {absent}")
     click.echo("local: works (no isolation: only by name, for debugging)")
     if missing is not None:
         sys.exit(1)
