@@ -197,6 +197,8 @@ if not isinstance(prompt, str) or not prompt.strip():
     sys.exit(f"lightning-rl {kind}: the task must be the prompt (a string) or a dict with a 'prompt' string "
              f"(and optionally 'cwd', an existing folder), got {json.dumps(task)[:200]}")
 cwd = task.get("cwd") if isinstance(task, dict) else None
+if os.environ.get("LIGHTNING_RL_SANDBOX_WORKDIR"):  # in a sandbox: the task's folder is its copy in there
+    cwd = os.environ["LIGHTNING_RL_SANDBOX_WORKDIR"]
 if cwd is not None and not (isinstance(cwd, str) and os.path.isdir(cwd)):
     sys.exit(f"lightning-rl {kind}: the task's cwd must be an existing folder, got {cwd!r}")
 model = os.environ.get("LIGHTNING_RL_MODEL") or model
@@ -329,7 +331,7 @@ def codex_lineage(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str
 def _cli(kind: str, program: str, package: str, extra: Sequence[str], sandbox: str, *, binary: str | None,
          model: str | None, upstream: str | Sequence[str] | None, name: str | None, agent: str | None,
          env: Mapping[str, str] | None, timeout: float | None, mode: str | None,
-         reward: Callable[[Any, str], float | None] | None) -> Callable[[Any], Any]:
+         reward: Callable[[Any, str], float | None] | None, where: str = "bwrap") -> Callable[[Any], Any]:
     if isinstance(extra, str) or not all(isinstance(a, str) for a in extra):
         raise ConfigurationError(f"{kind}: args must be a list of strings (extra {program} arguments), got {extra!r}")
     if upstream is not None and not (isinstance(model, str) and model):
@@ -338,14 +340,27 @@ def _cli(kind: str, program: str, package: str, extra: Sequence[str], sandbox: s
     from .command import command as _command  # late: command.py imports the app, which imports this module
 
     exe = find_cli(binary, program, ENV_CLI_BINARY[program], package)
-    argv = [sys.executable, "-c", _LAUNCHER, kind, exe, model or "", _root(), sandbox, *extra]
+    jailed = where != "none"
+    # in a sandbox the launcher runs with the system's python3 (the trainer's is not in there; it needs only the
+    # standard library), its folders in the sandbox's private /tmp, the task's folder its copy at /work
+    python, root = ("python3", "/tmp/lightning-rl-cli") if jailed else (sys.executable, _root())
+    argv = [python, "-c", _LAUNCHER, kind, exe, model or "", root, sandbox, *extra]
+    more = {**(env or {}), "LIGHTNING_RL_SANDBOX_WORKDIR": "/work"} if jailed else env
     # model: the CLI's configuration asks for it; the gateway sends any other name it asks for as it too
-    return _command(argv, upstream=upstream, name=name or kind, agent=agent, env=env, timeout=timeout, mode=mode,
-                    reward=reward or _no_reward, model=model, label=f"{exe} {'exec' if kind == 'codex' else 'run'}")
+    return _command(argv, upstream=upstream, name=name or kind, agent=agent, env=more, timeout=timeout, mode=mode,
+                    reward=reward or _no_reward, model=model, label=f"{exe} {'exec' if kind == 'codex' else 'run'}",
+                    sandbox=where if jailed else None, sandbox_folder=_task_folder if jailed else None,
+                    read_only=[exe])
+
+
+def _task_folder(task: Any) -> str | None:
+    """The folder a CLI's task names (``{"prompt": ..., "cwd": FOLDER}``): what its sandbox gets a copy of."""
+    cwd = task.get("cwd") if isinstance(task, dict) else None
+    return cwd if isinstance(cwd, str) and os.path.isdir(cwd) else None
 
 
 def codex(*, upstream: str | Sequence[str] | None = None, model: str | None = None, binary: str | None = None,
-          sandbox: str = "none", args: Sequence[str] = (), name: str | None = None, agent: str | None = None,
+          sandbox: str = "bwrap", args: Sequence[str] = (), name: str | None = None, agent: str | None = None,
           env: Mapping[str, str] | None = None, timeout: float | None = None, mode: str | None = None,
           reward: Callable[[Any, str], float | None] | None = None) -> Callable[[Any], Any]:
     """Codex (``codex exec``, the Responses API) as a traced agent ``agent(task)``: a ``lrl.command``.
@@ -356,18 +371,21 @@ def codex(*, upstream: str | Sequence[str] | None = None, model: str | None = No
     one model, ``model`` (the served policy's name; ``upstream=None``: the endpoint's), so every call Codex
     makes (its turns, compaction, sub-agents) asks for it, and is recorded with its agent and line
     (:func:`codex_lineage`: ``codex``, ``codex/thread_spawn``, ``compaction``); web search (OpenAI's
-    hosted tool), analytics and the update check are off. ``sandbox``: ``"none"`` (``--dangerously-bypass-approvals-and-sandbox``,
-    for a machine that is itself the sandbox) or a ``--sandbox`` mode (``read-only``, ``workspace-write``,
-    ``danger-full-access``). ``args``: more ``codex exec`` arguments (``-c key=value`` overrides).
+    hosted tool), analytics and the update check are off. ``sandbox``: ``"bwrap"`` (the default: the CLI runs in
+    the try's bwrap sandbox, as ``lrl.claude_code`` does, reaching only the gateway, with its own sandbox off:
+    ``--dangerously-bypass-approvals-and-sandbox``), ``"none"`` (on the host, its own sandbox off: for a machine
+    that is itself the sandbox) or one of Codex's own ``--sandbox`` modes on the host (``read-only``,
+    ``workspace-write``, ``danger-full-access``). The task's ``cwd`` is copied into the sandbox (``/work``). ``args``: more ``codex exec`` arguments (``-c key=value`` overrides).
     ``binary``: the ``codex`` executable (else ``$LIGHTNING_RL_CODEX``, ``codex`` on PATH, a checkout's
     ``examples/cli_agents``). The reward: ``reward(task, final message)``
     (Codex prints its last message on stdout), else none: a number Codex answers is not a reward. A
     non-zero exit fails the rollout, ``timeout`` ends it; the calls so far stay recorded."""
-    if sandbox not in ("none", "read-only", "workspace-write", "danger-full-access"):
-        raise ConfigurationError(f"codex sandbox must be 'none', 'read-only', 'workspace-write' or "
+    if sandbox not in ("bwrap", "none", "read-only", "workspace-write", "danger-full-access"):
+        raise ConfigurationError(f"codex sandbox must be 'bwrap', 'none', 'read-only', 'workspace-write' or "
                                   f"'danger-full-access', got {sandbox!r}")
-    return _cli("codex", "codex", f"@openai/codex@{CODEX_VERSION}", args, sandbox, binary=binary, model=model, upstream=upstream,
-                name=name, agent=agent, env=env, timeout=timeout, mode=mode, reward=reward)
+    return _cli("codex", "codex", f"@openai/codex@{CODEX_VERSION}", args, "none" if sandbox == "bwrap" else sandbox,
+                binary=binary, model=model, upstream=upstream, name=name, agent=agent, env=env, timeout=timeout,
+                mode=mode, reward=reward, where="bwrap" if sandbox == "bwrap" else "none")
 
 
 # --- opencode ----------------------------------------------------------------------------------------
@@ -376,8 +394,8 @@ def codex(*, upstream: str | Sequence[str] | None = None, model: str | None = No
 def opencode(*, upstream: str | Sequence[str] | None = None, model: str | None = None, binary: str | None = None,
              config: Mapping[str, Any] | None = None, args: Sequence[str] = (), name: str | None = None,
              agent: str | None = None, env: Mapping[str, str] | None = None, timeout: float | None = None,
-             mode: str | None = None,
-             reward: Callable[[Any, str], float | None] | None = None) -> Callable[[Any], Any]:
+             mode: str | None = None, reward: Callable[[Any, str], float | None] | None = None,
+             sandbox: str | None = "bwrap") -> Callable[[Any], Any]:
     """opencode (``opencode run``, chat completions through ``@ai-sdk/openai-compatible``) as a traced
     agent ``agent(task)``: a ``lrl.command``.
 
@@ -389,9 +407,10 @@ def opencode(*, upstream: str | Sequence[str] | None = None, model: str | None =
     ``explore`` sub-agents its ``task`` tool starts). models.dev, the update check, LSP downloads, sharing
     and the default plugins are off. ``config``: more opencode configuration, merged over ours (e.g.
     ``{"permission": {"bash": "deny"}}``). ``args``: more ``opencode run`` arguments. The reward as for
-    :func:`codex` (``stdout``: what ``opencode run`` printed)."""
+    :func:`codex` (``stdout``: what ``opencode run`` printed). ``sandbox``: ``"bwrap"`` (the default: in the try's
+    sandbox, reaching only the gateway, the task's ``cwd`` copied to ``/work``) or ``"none"`` (on the host)."""
     if config is not None and not isinstance(config, Mapping):
         raise ConfigurationError(f"opencode config must be a dict of opencode configuration, got {config!r}")
-    return _cli("opencode", "opencode", f"opencode-ai@{OPENCODE_VERSION}", args, json.dumps(dict(config or {})), binary=binary,
-                model=model, upstream=upstream, name=name, agent=agent, env=env, timeout=timeout, mode=mode,
-                reward=reward)
+    return _cli("opencode", "opencode", f"opencode-ai@{OPENCODE_VERSION}", args, json.dumps(dict(config or {})),
+                binary=binary, model=model, upstream=upstream, name=name, agent=agent, env=env, timeout=timeout,
+                mode=mode, reward=reward, where=sandbox or "none")

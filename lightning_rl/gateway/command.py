@@ -62,7 +62,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
             mode: str | None = None, reward: Callable[[Any, str], float | None] | None = None,
             model: str | None = None, stdin: Callable[[Any], str] | None = None,
             cwd: str | os.PathLike[str] | None = None, label: str | None = None,
-            sandbox: str | None = None) -> Callable[[Any], Any]:
+            sandbox: str | None = None, sandbox_folder: Callable[[Any], Any] | None = None,
+            read_only: Sequence[str] = ()) -> Callable[[Any], Any]:
     """An agent that is a command: a traced async function ``agent(task)`` that runs ``argv`` once per
     rollout, for ``Trainer`` or any caller, in any language.
 
@@ -98,7 +99,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
     this process's) and the try's folder as its working folder: the try's own sandbox when its runner gave it one
     (``lrl.sandbox()``), else a fresh one with a copy of ``cwd``. Its program's folder is readable in there. A
     sandbox that fails to start raises ``SandboxError`` (an infrastructure failure). ``None``/``"none"``: on this
-    host, as this user."""
+    host, as this user. ``sandbox_folder(task)``: the folder a fresh sandbox copies instead of ``cwd`` (a task's
+    own); ``read_only``: more programs whose package folders it may read."""
     if isinstance(argv, str) or not argv or not argv[0] or not all(isinstance(a, str) for a in argv):
         raise ConfigurationError(f"command needs the program and its arguments as a list of strings, e.g. "
                                  f"['node', 'agent.mjs'], got {argv!r}")
@@ -144,7 +146,8 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
         if cwd is not None:  # as a shell sets it: a CLI that reads $PWD (opencode) must see its own folder
             child_env["PWD"] = os.path.abspath(cwd)
         given = (task_json if stdin is None else stdin(task)).encode() + b"\n"
-        jail = _Jail(sandbox, argv, cwd, gw.url) if sandbox else None
+        source = (sandbox_folder(task) if sandbox_folder is not None else None) or cwd
+        jail = _Jail(sandbox, argv, source, gw.url, read_only) if sandbox else None
         try:
             if jail is None:
                 proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, env=child_env,
@@ -181,7 +184,7 @@ def command(argv: Sequence[str], *, upstream: str | Sequence[str] | None = None,
 class _Jail:
     """A command's run in a sandbox (``command(sandbox=)``): the try's own or a fresh one, the gateway bridged in."""
 
-    def __init__(self, backend: str, argv: list[str], cwd: Any, gateway_url: str) -> None:
+    def __init__(self, backend: str, argv: list[str], cwd: Any, gateway_url: str, read_only: Sequence[str] = ()) -> None:
         from ..sandbox import current_sandbox, open_sandbox
         from ..sandbox.bridge import UnixBridge
 
@@ -195,7 +198,7 @@ class _Jail:
         address = gateway_url.split("//", 1)[1].split("/", 1)[0]
         self.bridge = UnixBridge(address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1]))
         self.argv = argv
-        self.read_only = [_install_folder(argv[0])] if _install_folder(argv[0]) else []
+        self.read_only = sorted({f for f in map(_install_folder, [argv[0], *read_only]) if f})
         self.status = self.cleanup = None
 
     async def start(self, env: dict[str, Any]) -> Any:

@@ -297,6 +297,10 @@ class BwrapSandbox(_FolderSandbox):
             merged = self.root / "merged"
         limits = self.limits
         group = RunGroup(limits.processes, limits.memory_mb, limits.cpus) if cgroup_bases() else None
+        if group is not None and "memory" in cgroup_bases():
+            # the group holds memory: no address-space limit, which runtimes that reserve address space up front (Bun:
+            # opencode, Claude Code; Go; the JVM) cannot start under
+            limits = dataclasses.replace(limits, memory_mb=None)
 
         def prepare() -> None:
             if group is not None:

@@ -26,9 +26,10 @@ ENDINGS = ("exit", "signal", "deadline", "disk")
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one command may use (``None``: no limit). Set as resource limits of the command's processes (inherited
-    by what they start): address space, CPU seconds, the largest file written, open files; where control groups can be
-    made (root; ``sandbox doctor`` says), processes, memory and ``cpus`` (a CPU share in cores) are also held by the
-    kernel for the whole tree of a bwrap try (a fork storm stops at ``processes``); ``disk_mb``: the size of a bwrap try's private ``/tmp``
+    by what they start): address space (``memory_mb``), CPU seconds, the largest file written, open files; where
+    control groups can be made (root; ``sandbox doctor`` says), processes, memory and ``cpus`` (a CPU share in cores)
+    are held by the kernel for the whole tree of a bwrap try instead (a fork storm stops at ``processes``; a try past
+    ``memory_mb`` is killed by the kernel's OOM killer, and no address-space limit is set); ``disk_mb``: the size of a bwrap try's private ``/tmp``
     and what its writes to its folder may add up to (checked after each command: ``RunResult.ended`` "disk");
     ``output_bytes``: what is kept of each of stdout and stderr (the rest is counted in
     ``RunResult.truncated_bytes``)."""

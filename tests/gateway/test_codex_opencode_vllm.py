@@ -148,10 +148,9 @@ def _calls(store, rollout_id):
 
 def test_codex_exec_calls_a_tool_and_its_call_and_result_are_recorded(traced, vllm_long_url, tmp_path):
     work, binary = _note(tmp_path), _cli("codex")
-    # read-only: the command cannot change anything (Codex's own sandbox); what it printed, or the sandbox's
-    # refusal, is the tool's result either way
-    with ForcingProxy(vllm_long_url, call=("exec_command", {"cmd": "cat note.txt"})) as engine:
-        agent = codex(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary, sandbox="read-only",
+    # in its bwrap sandbox (the default): the task's folder is its copy at /work, where the command runs
+    with ForcingProxy(vllm_long_url, call=("exec_command", {"cmd": "cat note.txt; cat /root/.bashrc"})) as engine:
+        agent = codex(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary,
                       timeout=cli_time_limit(vllm_long_url, binary, calls=3),
                       reward=lambda task, answer: 0.5 if answer.strip() else 0.0)
         with lrl.rollout_overrides(sampling=GREEDY):
@@ -161,7 +160,8 @@ def test_codex_exec_calls_a_tool_and_its_call_and_result_are_recorded(traced, vl
     # the caller's reward (from Codex's last message, whatever the tiny model answered), not a number it printed
     assert traj.status == RolloutStatus.SUCCEEDED and traj.name == "codex" and reward == traj.final_reward in (0, 0.5)
     _every_call_recorded_with_the_engines_ids(traj)
-    _tool_call_ran_and_its_result_went_back(traj, engine)
+    result = _tool_call_ran_and_its_result_went_back(traj, engine)
+    assert "the answer is 42" in result and "No such file" in result  # the task's copy, and no home of the host
     # Codex's turn metadata (x-codex-turn-metadata): the root agent's calls, on one thread, no other line
     calls = _calls(traced, rollout.rollout_id)
     assert len(calls) >= 2 and {c.attributes[semconv.GEN_AI_AGENT_NAME] for c in calls} == {"codex"}
@@ -197,7 +197,8 @@ def test_codex_sub_agent_and_compaction_calls_are_told_apart(traced, vllm_long_u
 
 def test_opencode_run_calls_a_tool_and_its_title_call_is_its_own_agent(traced, vllm_long_url, tmp_path):
     work, binary = _note(tmp_path), _cli("opencode")
-    with ForcingProxy(vllm_long_url, call=("read", {"filePath": str(work / "note.txt")})) as engine:
+    # in its bwrap sandbox (the default): the task's folder is its copy at /work
+    with ForcingProxy(vllm_long_url, call=("read", {"filePath": "/work/note.txt"})) as engine:
         agent = opencode(upstream=engine.url + "/v1", model=SERVED_NAME, binary=binary,
                          timeout=cli_time_limit(vllm_long_url, binary, calls=4),
                          config={"permission": {"bash": "deny", "edit": "deny", "webfetch": "deny"}})

@@ -78,9 +78,9 @@ def test_a_cli_runs_in_the_tasks_folder_and_its_pwd_says_so(traced, tmp_path, wr
     cli.write_text(f"#!{sys.executable}\nimport os\nprint(os.environ.get('PWD'), os.getcwd())\n")
     cli.chmod(cli.stat().st_mode | stat.S_IXUSR)
     in_work = {"reward": lambda task, out: float(out.split() == [str(work)] * 2), "binary": str(cli)}
-    # claude_code on the host (sandbox="none"): in its sandbox by default, it runs in /work, a copy of the folder
-    # (tests/gateway/test_claude_code_vllm.py), and this fake CLI's interpreter is not there
+    # each on the host (sandbox="none"): in its sandbox by default, a CLI runs in /work, a copy of the folder
+    # (tests/gateway/test_claude_code_vllm.py, test_codex_opencode_vllm.py), and this fake CLI's interpreter is not there
     agent = (lrl.claude_code("Say hi", upstream=UPSTREAM, model="tiny", cwd=work, sandbox="none", **in_work)
              if wrapper == "claude_code"
-             else getattr(lrl, wrapper)(upstream=UPSTREAM, model="tiny", **in_work))
+             else getattr(lrl, wrapper)(upstream=UPSTREAM, model="tiny", sandbox="none", **in_work))
     assert asyncio.run(agent({"prompt": "Say hi", "cwd": str(work)})) == 1.0  # claude_code: its cwd='s
