@@ -60,10 +60,12 @@ done
 exit 1"""
 
 
-def _cli(cli: str, args: Sequence[str], timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def _cli(cli: str, args: Sequence[str], timeout: float = 120.0, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``cli args`` (``cwd``: where it runs; podman's conmon stays there and writes an ``oom`` file into it when the
+    container is OOM-killed, so a container's CLI runs in the sandbox's own folder, never the caller's)."""
     try:
         return subprocess.run([cli, *args], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, cwd=cwd)
     except subprocess.TimeoutExpired as exc:
         return subprocess.CompletedProcess([cli, *args], 124, "",
                                            f"{cli} {args[0]} did not answer in {exc.timeout:.0f} s")
@@ -180,7 +182,7 @@ class ContainerSandbox(_FolderSandbox):
             args += ["--pids-limit", str(self.pids)]
         if self.cpus is not None:
             args += ["--cpus", str(self.cpus)]
-        started = _cli(self.cli, [*args, self.image, "sh", "-c", KEEPER])
+        started = _cli(self.cli, [*args, self.image, "sh", "-c", KEEPER], cwd=str(self.root))
         if started.returncode != 0:
             _cli(self.cli, ["rm", "-f", self.name], timeout=60)
             why = container_available(self.cli, self.image) or _first_line(started.stderr)
