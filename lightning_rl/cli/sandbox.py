@@ -29,12 +29,15 @@ def sandbox_group() -> None:
               help="The task folder: the sandbox gets its own copy (default: an empty folder).")
 @click.option("--timeout", default=60.0, show_default=True, type=float, help="The command's deadline in seconds.")
 @click.option("--memory", "memory_mb", default=2048, show_default=True, type=int, help="Address space limit, MB.")
-@click.option("--network", default="none", show_default=True,
-              help="none (its own empty network namespace). The rollout's gateway is not bridged in yet.")
+@click.option("--network", default="none", show_default=True, type=click.Choice(["none", "gateway"]),
+              help="none: its own empty network namespace; gateway: the gateway at --gateway-url is its only "
+                   "address, at the same URL inside (bwrap).")
+@click.option("--gateway-url", default=None, envvar="LIGHTNING_RL_GATEWAY_URL",
+              help="The gateway for --network gateway, http://HOST:PORT (default: $LIGHTNING_RL_GATEWAY_URL).")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @errors
 def sandbox_exec(backend: str, folder: str | None, timeout: float, memory_mb: int, network: str,
-                 argv: tuple[str, ...]) -> None:
+                 gateway_url: str | None, argv: tuple[str, ...]) -> None:
     """Run ARGV in a fresh sandbox and exit with its exit code: 124 when the deadline ended it, 125 when the
     sandbox itself failed (it could not start), 128+N when signal N ended it. Its output is printed as it was
     kept (1 MiB of each stream; what was cut is said on stderr).
@@ -43,11 +46,17 @@ def sandbox_exec(backend: str, folder: str | None, timeout: float, memory_mb: in
     """
     from ..sandbox import Limits, open_sandbox
 
-    if network != "none":
-        raise ConfigurationError(f"--network {network}: only none is built yet (the gateway bridge is issue 55's "
-                                 "next part); drop --network")
+    options = {}
+    if network == "gateway":
+        if not gateway_url:
+            raise ConfigurationError("--network gateway needs the gateway's address: give --gateway-url "
+                                     "http://HOST:PORT (or set LIGHTNING_RL_GATEWAY_URL)")
+        if backend != "bwrap":
+            raise ConfigurationError(f"--network gateway is built for the bwrap backend, not {backend!r}; "
+                                     "use --backend bwrap")
+        options["gateway"] = gateway_url
     try:
-        with open_sandbox(backend, folder, limits=Limits(memory_mb=memory_mb)) as box:
+        with open_sandbox(backend, folder, limits=Limits(memory_mb=memory_mb), **options) as box:
             done = box.run(list(argv), timeout=timeout)
     except SandboxError as exc:
         click.echo(f"Error: {exc}", err=True)

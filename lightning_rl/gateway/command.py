@@ -186,7 +186,7 @@ class _Jail:
 
     def __init__(self, backend: str, argv: list[str], cwd: Any, gateway_url: str, read_only: Sequence[str] = ()) -> None:
         from ..sandbox import current_sandbox, open_sandbox
-        from ..sandbox.bridge import UnixBridge
+        from ..sandbox.bridge import UnixBridge, host_port
 
         self.box = current_sandbox(required=False)
         self.own = self.box is None
@@ -195,8 +195,7 @@ class _Jail:
         if not hasattr(self.box, "launch"):
             raise ConfigurationError(f"the {type(self.box).__name__} sandbox cannot run a command behind the gateway "
                                      "bridge; use the bwrap backend")
-        address = gateway_url.split("//", 1)[1].split("/", 1)[0]
-        self.bridge = UnixBridge(address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1]))
+        self.bridge = UnixBridge(*host_port(gateway_url))
         self.argv = argv
         self.read_only = sorted({f for f in map(_install_folder, [argv[0], *read_only]) if f})
         self.status = self.cleanup = None

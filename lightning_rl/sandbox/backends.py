@@ -148,6 +148,9 @@ class _FolderSandbox:
         shutil.rmtree(self.root, ignore_errors=True)
         if self._own_snapshot is not None:
             self._own_snapshot.close()
+        bridge = getattr(self, "bridge", None)
+        if bridge is not None:
+            bridge.close()
 
     def __enter__(self) -> "_FolderSandbox":
         return self
@@ -241,14 +244,23 @@ class BwrapSandbox(_FolderSandbox):
 
     def __init__(self, source: str | os.PathLike[str] | None = None, *, snapshot: Snapshot | None = None,
                  limits: Limits | None = None, network: bool = False, in_place: Path | None = None,
-                 binds: Sequence[str] = (), sockets: Mapping[str, str] | None = None) -> None:
+                 binds: Sequence[str] = (), sockets: Mapping[str, str] | None = None, gateway: str | None = None) -> None:
         missing = bwrap_available()
         if missing:
             raise SandboxError(f"the bwrap sandbox backend cannot run here: {missing}")
+        if gateway is not None and network:
+            raise ConfigurationError("network=True gives the host's network, gateway= only the gateway: choose one")
         super().__init__(source, snapshot=snapshot, limits=limits, in_place=in_place)
         self.network = network
         self.binds = tuple(binds)
         self.sockets = dict(sockets or {})  # a host folder -> its path inside (the gateway's bridge)
+        #: ``gateway`` (a URL): every command runs behind the relay, the gateway its only address
+        self.bridge = None
+        if gateway is not None:
+            from .bridge import INSIDE_FOLDER, UnixBridge, host_port
+
+            self.bridge = UnixBridge(*host_port(gateway))
+            self.sockets[str(self.bridge.folder)] = INSIDE_FOLDER
 
     def command(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, status_fd: int | None = None,
                 binds: Mapping[str, str] | None = None, read_only: Sequence[str] = ()) -> list[str]:
@@ -309,6 +321,8 @@ class BwrapSandbox(_FolderSandbox):
                 mount_overlay_in_child(options, merged)
             limits.apply()
 
+        if self.bridge is not None and not (binds and any(p.startswith("/run/lightning-rl") for p in binds.values())):
+            argv = self.bridge.wrap(list(argv))
         full = self.command(argv, self._env(env, self.workdir), cwd, status_fd=status_fd, binds=binds,
                             read_only=read_only)
         return full, prepare, (group.close if group is not None else (lambda: None))

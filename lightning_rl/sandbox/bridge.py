@@ -59,6 +59,18 @@ os._exit(code if code >= 0 else 128 - code)
 """
 
 
+def host_port(url: str) -> tuple[str, int]:
+    """``http://HOST:PORT/...`` -> (HOST, PORT); refused, with the fix, when it names no port on this host."""
+    from urllib.parse import urlsplit
+
+    from ..errors import ConfigurationError
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ConfigurationError(f"gateway URL {url!r}: give http://HOST:PORT (the gateway's address, with its port)")
+    return parts.hostname, parts.port
+
+
 def _pump(a: socket.socket, b: socket.socket) -> None:
     try:
         while data := a.recv(65536):

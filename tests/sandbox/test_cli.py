@@ -30,6 +30,46 @@ def test_exec_says_the_deadline_and_a_sandbox_failure_apart_from_the_commands_co
     assert CliRunner().invoke(main, ["sandbox", "doctor"]).output.startswith("bwrap: works")
 
 
-def test_exec_refuses_what_is_not_built_yet_in_one_line():
-    done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--", "true"])
-    assert done.exit_code == 1 and "only none is built yet" in done.output and done.output.count("\n") == 1
+def test_exec_with_the_gateway_reaches_it_and_nothing_else(tmp_path):
+    """--network gateway: the gateway's URL works inside, and another port of the host's loopback does not."""
+    import http.server
+    import socket
+    import threading
+
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the standard library's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"gateway says hi")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    probe = ("import socket, urllib.request, sys\n"
+             f"print(urllib.request.urlopen('{url}/v1', timeout=10).read().decode())\n"
+             "try:\n"
+             f"    socket.create_connection(('127.0.0.1', {other.getsockname()[1]}), timeout=5); print('reached')\n"
+             "except OSError as exc:\n"
+             "    print('refused')\n")
+    try:
+        done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--gateway-url", url, "--",
+                                         "python3", "-c", probe])
+        assert done.exit_code == 0 and done.output.split() == ["gateway", "says", "hi", "refused"], done.output
+    finally:
+        server.shutdown()
+        other.close()
+
+
+def test_exec_refuses_bad_network_input_in_one_line():
+    done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--", "true"],
+                              env={"LIGHTNING_RL_GATEWAY_URL": ""})
+    assert done.exit_code == 1 and "--gateway-url" in done.output and done.output.count("\n") == 1
+    done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--gateway-url", "nowhere", "--",
+                                     "true"])
+    assert done.exit_code == 1 and "http://HOST:PORT" in done.output
