@@ -25,7 +25,8 @@ from .layers import Snapshot
 #: The pool's counts (this process's counters; put on every batch's metrics line under "sandbox").
 SANDBOX_METRICS = ("sandbox_started", "sandbox_reused", "sandbox_start_failed", "sandbox_dead_on_checkout",
                    "sandbox_killed_at_deadline", "sandbox_expired", "sandbox_reset_ms_total", "sandbox_resets",
-                   "sandbox_infra_retries", "sandbox_protected_restored")
+                   "sandbox_infra_retries", "sandbox_protected_restored", "sandbox_commands",
+                   "sandbox_commands_failed")
 
 
 class SandboxPool:
@@ -56,6 +57,7 @@ class SandboxPool:
         self._out: dict[int, tuple[Any, float]] = {}  # id(sandbox) -> (sandbox, expiry)
         self.starting_now = self.most_starting = 0
         self.closed = False
+        self.owns_snapshot = False
 
     @property
     def lifetime(self) -> float:
@@ -199,9 +201,38 @@ class SandboxPool:
             self._idle, self._out = [], {}
         for box in boxes:
             box.close()
+        if self.owns_snapshot:  # built from a spec (pool_from_spec): its snapshot is this pool's
+            self.snapshot.close()
 
     def __enter__(self) -> "SandboxPool":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: What a pool spec (``pool_from_spec``) may hold besides the pool's own options.
+_SNAPSHOT_KEYS = ("folder", "setup", "setup_timeout", "setup_network", "max_files", "max_mb")
+
+
+def pool_from_spec(spec: dict[str, Any]) -> SandboxPool:
+    """A pool built here from a plain description (what a Ray actor or a runner process is given: a pool holds
+    processes and folders of one machine, so each builds its own): ``folder`` and the snapshot's options
+    (``setup``, ``setup_timeout``, ``setup_network``, ``max_files``, ``max_mb``), ``limits`` (a dict of
+    :class:`Limits` fields), and the pool's (``backend``, ``size``, ``warm``, ...)."""
+    if not isinstance(spec, dict) or "folder" not in spec:
+        raise ConfigurationError(f"a sandbox pool spec is a dict with at least 'folder' (the task's folder), got "
+                                 f"{spec!r}")
+    snap_options = {k: spec[k] for k in _SNAPSHOT_KEYS if k in spec and k != "folder"}
+    rest = {k: v for k, v in spec.items() if k not in _SNAPSHOT_KEYS}
+    if isinstance(rest.get("limits"), dict):
+        rest["limits"] = Limits(**rest["limits"])
+    snapshot = Snapshot(spec["folder"], backend=rest.get("backend", "bwrap"), **snap_options)
+    try:
+        pool = SandboxPool(snapshot, **rest)
+    except BaseException:
+        snapshot.close()
+        raise
+    pool.owns_snapshot = True
+    pool.prewarm()
+    return pool

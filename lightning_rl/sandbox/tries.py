@@ -119,6 +119,9 @@ class TracedSandbox:
         with record_tool_span("sandbox", None, orjson.dumps(list(argv)).decode(), holder):
             began = time.monotonic()
             done = self.box.run(argv, stdin=stdin, env=env, cwd=cwd, timeout=timeout)
+            count("sandbox_commands")
+            if not done.ok:  # the model's: an observation for the agent (counted, never an infrastructure failure)
+                count("sandbox_commands_failed")
             holder.result = {"exit_code": done.exit_code, "ended": done.ended, "signal": done.signal,
                              "duration_s": round(time.monotonic() - began, 4),
                              "stdout": done.stdout[-SPAN_OUTPUT_CHARS:], "stderr": done.stderr[-SPAN_OUTPUT_CHARS:],

@@ -63,10 +63,19 @@ class Runner:
                                      "give e.g. poll=0.05")
         if score is not None and sandboxes is None:
             raise ConfigurationError("score= runs in each try's sandbox after its agent: give sandboxes=SandboxPool(...)")
+        self._owned_pool = None
+        if isinstance(sandboxes, dict):  # a spec (a Ray actor's, a worker process's): this process builds its pool
+            from ..sandbox.pool import pool_from_spec
+
+            sandboxes = self._owned_pool = pool_from_spec(sandboxes)
+        if isinstance(score, str):  # "module:function", as agents are named to other processes
+            score = load_agent(score)
         self.store = store
         self.agent = agent
-        #: each try's sandbox comes from this pool (``lrl.sandbox()`` in the agent); after a try that succeeded,
-        #: ``protect`` (paths: tests, .git) is restored in it and ``score(task, sandbox)`` is its reward
+        #: each try's sandbox comes from this pool (``lrl.sandbox()`` in the agent; a dict: a spec this process builds
+        #: its pool from, ``sandbox.pool.pool_from_spec``, as Ray actors are given it); after a try that succeeded,
+        #: ``protect`` (paths: tests, .git) is restored in it and ``score(task, sandbox)`` (or "module:function") is
+        #: its reward
         self.sandboxes, self.score, self.protect, self.infra_retries = sandboxes, score, tuple(protect), infra_retries
         self.runner_id = runner_id or f"runner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.concurrency = concurrency
@@ -204,6 +213,8 @@ class Runner:
             self._aio.close()
         self._aio = None
         self._store_pool.shutdown(wait=False)
+        if self._owned_pool is not None:
+            self._owned_pool.close()
 
     def __enter__(self) -> "Runner":
         return self

@@ -152,3 +152,34 @@ def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure_after_its_retr
         rollout = traced.get_rollout(entry.rollout_id)
         assert rollout.status == RolloutStatus.TIMED_OUT and "SandboxError" in rollout.error
         assert failure_kind(rollout) == "infra"  # its group leaves the batch
+
+
+def score_by_the_tests(task, box):  # named "module:function", as a Ray actor or a worker process is given it
+    return 1.0 if box.run(["sh", "tests/test_it.sh"]).ok else 0.0
+
+
+def test_a_runner_builds_its_own_pool_from_a_spec_as_ray_actors_do(traced, tmp_path):
+    (tmp_path / "task" / "tests").mkdir(parents=True)
+    (tmp_path / "task" / "tests" / "test_it.sh").write_text("grep -q fixed answer.txt\n")
+    (tmp_path / "task" / "answer.txt").write_text("broken\n")
+
+    @lrl.trace
+    def agent(task):
+        lrl.sandbox().run(["sh", "-c", "echo fixed > answer.txt; ls /nowhere"])  # the second command fails
+
+    group = traced.enqueue({"i": 1}, n=2)[0].group_id
+    before = counters()
+    spec = {"folder": str(tmp_path / "task"), "setup": ["sh", "-c", "echo ready > ready.txt"], "size": 2, "warm": 2,
+            "limits": {"memory_mb": 512, "processes": 64}}
+    with Runner(traced, agent, concurrency=2, sandboxes=spec, score=f"{__name__}:score_by_the_tests",
+                protect=["tests"]) as runner:
+        pool = runner.sandboxes
+        assert pool.snapshot.setup_result.ok and pool.stats()["idle"] == 2
+        runner.run_until_done([group])
+    assert pool.closed and not pool.snapshot.path.exists()  # built here, closed here
+    assert [traced.rewards(e.rollout_id)[0].value for e in traced.queue_entries([group])] == [1.0, 1.0]
+    grew = {k: counters().get(k, 0) - before.get(k, 0) for k in ("sandbox_commands", "sandbox_commands_failed",
+                                                                  "sandbox_reused")}
+    assert grew == {"sandbox_commands": 2, "sandbox_commands_failed": 2, "sandbox_reused": 2}
+    with pytest.raises(ConfigurationError, match="at least 'folder'"):
+        Runner(traced, agent, sandboxes={"size": 2})
