@@ -153,6 +153,8 @@ def run_process(argv: Sequence[str], *, stdin: bytes | str | None, env: Mapping[
     for reader in readers:
         reader.join(5.0)
     code = proc.returncode
+    if dropped[0]:
+        count("sandbox_output_cut_bytes", dropped[0])
     if ended == "exit" and code < 0:
         ended = "signal"
     return RunResult(exit_code=code if ended == "exit" else None, stdout=kept["out"].decode(errors="replace"),

@@ -26,7 +26,7 @@ from .layers import Snapshot
 SANDBOX_METRICS = ("sandbox_started", "sandbox_reused", "sandbox_start_failed", "sandbox_dead_on_checkout",
                    "sandbox_killed_at_deadline", "sandbox_expired", "sandbox_reset_ms_total", "sandbox_resets",
                    "sandbox_infra_retries", "sandbox_protected_restored", "sandbox_commands",
-                   "sandbox_commands_failed")
+                   "sandbox_commands_failed", "sandbox_output_cut_bytes")
 
 
 class SandboxPool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_rl.diagnostics import counters
 from lightning_rl.errors import ConfigurationError, UnknownNameError
 from lightning_rl.sandbox import Limits, SandboxError, bwrap_available, open_sandbox
 
@@ -70,6 +71,7 @@ def test_output_past_the_limit_is_counted_not_kept(backend):
     with open_sandbox(backend, limits=Limits(output_bytes=1000)) as box:
         done = box.run(["sh", "-c", "head -c 500000 /dev/zero | tr '\\0' a"])
         assert done.ok and len(done.stdout) == 1000 and done.truncated_bytes == 499000
+    assert counters().get("sandbox_output_cut_bytes", 0) >= 499000  # counted for the metrics line too
 
 
 def test_a_memory_hog_hits_its_limit(backend):
