@@ -12,7 +12,7 @@ import pytest
 
 from lightning_rl.sandbox import Snapshot, open_sandbox
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "coding_fix"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "coding_fix"))  # tasks, tools
 import tasks as family  # noqa: E402
 
 
@@ -55,3 +55,49 @@ def test_a_try_that_edits_the_tests_gains_nothing(tmp_path):
         assert box.run(family.test_command()).ok
         assert box.restore(list(task.protected)) == ["tests"]
         assert not box.run(family.test_command()).ok  # the task's own tests again: still failing
+
+
+def test_the_tools_run_in_each_trys_sandbox_and_the_harness_scores_with_the_tests_restored(traced, tmp_path):
+    """Scripted agents (no model: the plumbing is under test): one applies the fix through the tools, one empties the
+    tests, one does nothing. Each tool is a tool span; the reward is the task's own tests after the agent."""
+    import lightning_rl as lrl
+    from lightning_rl.sandbox.pool import PoolPerTask
+    from lightning_rl.trainer_bridge.runner import Runner
+
+    import tools  # examples/coding_fix/tools.py
+
+    made = {s: family.generate(s) for s in (1, 2)}
+
+    def folder_of(task):  # PoolPerTask calls it under its lock: writing here never races a snapshot's copy
+        return task["seed"], made[task["seed"]].write(tmp_path / f"task{task['seed']}")
+
+    @lrl.trace
+    def agent(task):
+        fix = made[task["seed"]].fix
+        assert tools.run_tests(call_id="c1").startswith("FAILED")
+        assert f"{fix[1]}: " in tools.read_file(fix[0], call_id="c2")
+        if task["how"] == "fix":
+            assert tools.edit_line(fix[0], fix[1], fix[2]).startswith("ok")
+            assert tools.run_tests().startswith("PASSED")
+        elif task["how"] == "cheat":
+            assert tools.call("edit_line", {"path": "tests/test_pkg.py", "line": 1, "text": "raise SystemExit(0)"})
+            assert tools.run_tests().startswith("PASSED")  # the emptied tests pass, in the try's sandbox
+        assert tools.call("nope", {}).startswith("error: no tool") and tools.read_file("../x").startswith("error")
+
+    groups = {(s, how): traced.enqueue({"seed": s, "how": how}, n=2)[0].group_id
+              for s in (1, 2) for how in ("fix", "cheat", "nothing")}
+    pools = PoolPerTask(folder_of, size=2)
+    try:
+        Runner(traced, agent, concurrency=3, sandboxes=pools, score=tools.score,
+               protect=list(family.Task.protected)).run_until_done(list(groups.values()))
+    finally:
+        pools.close()
+    for (seed, how), group in groups.items():
+        for entry in traced.queue_entries([group]):
+            rollout = traced.get_rollout(entry.rollout_id)
+            assert entry.outcome == rollout.status == "succeeded", rollout.error
+            (reward,) = traced.rewards(entry.rollout_id)
+            assert reward.value == (1.0 if how == "fix" else 0.0), (seed, how)
+    names = {s.name for s in traced.spans(traced.queue_entries([groups[(1, "fix")]])[0].rollout_id)}
+    assert {"execute_tool run_tests", "execute_tool read_file", "execute_tool edit_line"} <= names
+    assert (tmp_path / "task1" / family.generate(1).fix[0]).read_text() == family.generate(1).files[family.generate(1).fix[0]]

@@ -154,8 +154,10 @@ def generate(seed: int, *, split: str = "train", difficulty: int = 1, kind: str 
 
 
 def test_command() -> list[str]:
-    """How a task's tests run, in its sandbox (the system's python3 and its unittest)."""
-    return ["python3", "-m", "unittest", "-q", "tests.test_pkg"]
+    """How a task's tests run, in its sandbox (the system's python3 and its unittest). ``-B``: no bytecode is
+    written, so an edit of the same size within the same second as the last run is never hidden by a stale .pyc
+    (which it was: the compiled module is checked by the source's mtime in seconds and its size)."""
+    return ["python3", "-B", "-m", "unittest", "-q", "tests.test_pkg"]
 
 
 def verify(task: Task, backend: str = "bwrap") -> None:

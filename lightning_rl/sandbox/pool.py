@@ -111,7 +111,7 @@ class SandboxPool:
         self._reap()
         if self.closed:
             raise SandboxError("this sandbox pool is closed")
-        if not self._slots.acquire(timeout=-1 if timeout is None else timeout):
+        if not self._slots.acquire(timeout=timeout):  # None: wait for one (a Semaphore takes -1 as "not at all")
             raise SandboxError(f"no sandbox was free within {timeout:g} s ({self.size} in use); raise the pool's size")
         try:
             box = None
@@ -236,3 +236,36 @@ def pool_from_spec(spec: dict[str, Any]) -> SandboxPool:
     pool.owns_snapshot = True
     pool.prewarm()
     return pool
+
+
+class PoolPerTask:
+    """A pool per task, for a task family whose tasks each have a folder of their own (``Runner(sandboxes=...)``
+    takes it: each try's sandbox comes from its task's pool). ``folder_of(task)`` gives ``(key, folder)``: the
+    snapshot is made once per key (with ``setup``), its pool kept while at most ``max_pools`` are (the least
+    recently used beyond that is closed)."""
+
+    def __init__(self, folder_of: Any, *, setup: Any = None, max_pools: int = 32, **pool_options: Any) -> None:
+        self.folder_of, self.setup, self.max_pools, self.options = folder_of, setup, max_pools, pool_options
+        self._pools: dict[Any, SandboxPool] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, task: Any) -> SandboxPool:
+        with self._lock:  # folder_of may write the folder: never while another try's snapshot copies it
+            key, folder = self.folder_of(task)
+            pool = self._pools.pop(key, None)
+            if pool is None:
+                snapshot = Snapshot(folder, setup=self.setup, backend=self.options.get("backend", "bwrap"))
+                pool = SandboxPool(snapshot, **self.options)
+                pool.owns_snapshot = True
+            self._pools[key] = pool  # the most recently used last
+            stale = list(self._pools)[: max(len(self._pools) - self.max_pools, 0)]
+            closing = [self._pools.pop(k) for k in stale]
+        for old in closing:
+            old.close()
+        return pool
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()

@@ -253,7 +253,18 @@ class Runner:
         try:
             if tries is not None:  # taken before the agent starts (off the loop): a start never blocks other tries
                 try:
-                    await asyncio.to_thread(tries.take, entry.rollout_id)
+                    if not hasattr(self.sandboxes, "acquire"):  # a pool per task (PoolPerTask): this task's
+                        try:
+                            tries.pool = await asyncio.to_thread(self.sandboxes, entry.task)
+                        except Exception as exc:  # its snapshot could not be made: no try of it can run
+                            raise SandboxError(f"the task's sandbox pool could not be made: "
+                                               f"{type(exc).__name__}: {exc}") from exc
+                    try:
+                        await asyncio.to_thread(tries.take, entry.rollout_id)
+                    except SandboxError:
+                        raise
+                    except Exception as exc:  # a pool that cannot give one (a bad option, a closed snapshot)
+                        raise SandboxError(f"no sandbox for the try: {type(exc).__name__}: {exc}") from exc
                 except SandboxError as exc:  # its starts failed past the retries: the world's failure, not the model's
                     await self._store_call(self.store.expire_rollout, entry, f"SandboxError: {exc}")
                     raise TimeoutError(str(exc)) from None

@@ -41,6 +41,18 @@ def test_a_pool_hands_out_live_sandboxes_reset_and_bounded(snapshot):
                 with pytest.raises(SandboxError, match="no sandbox was free within 0.2 s"):
                     with pool.acquire(timeout=0.2):
                         pass
+                got = []
+
+                def wait_for_one():
+                    with pool.acquire() as box:  # no timeout: it waits for a free slot
+                        got.append(box)
+
+                waiter = threading.Thread(target=wait_for_one)
+                waiter.start()
+                time.sleep(0.3)
+                assert waiter.is_alive() and not got  # waiting, not refused at once (it was, with timeout=None)
+            waiter.join(10)
+            assert got and not waiter.is_alive()
         with pool.acquire() as again:  # a returned one, reset: the last try's writes are gone
             assert again.run(["ls"]).stdout.split() == ["answer.txt", "tests"]
             again.close()  # died in use: not handed out again
