@@ -123,13 +123,24 @@ def test_writes_past_the_disk_limit_are_stopped_or_reported():
         assert tmp.exit_code != 0 and "No space left" in tmp.stderr
 
 
-def test_nothing_is_left_mounted_and_no_control_group_remains(task):
+def test_nothing_is_left_mounted_and_no_control_group_remains(task, monkeypatch):
+    """This test's own groups (other tests' sandboxes may run at the same time, in other workers)."""
+    from lightning_rl.sandbox import cgroups
+
+    made: list[Path] = []
+    real = cgroups.RunGroup.__init__
+
+    def recording(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.extend(self.folders)
+
+    monkeypatch.setattr(cgroups.RunGroup, "__init__", recording)
     with Snapshot(task) as snap:
         for _ in range(3):
             with open_sandbox("bwrap", snapshot=snap, limits=Limits(cpus=0.5)) as box:
-                assert box.run(["true"]).ok
-    assert "lrl-sandbox" not in Path("/proc/mounts").read_text()
-    assert not list(Path("/sys/fs/cgroup").glob("*/**/lrl-sandbox-*"))
+                assert box.run(["sh", "-c", "sleep 0.1 & true"]).ok  # a process left behind by the command
+    assert "lrl-sandbox" not in Path("/proc/mounts").read_text()  # the overlays lived in the runs' namespaces
+    assert len(made) == 9 and not [folder for folder in made if folder.exists()]  # pids, memory, cpu; three runs
 
 
 @pytest.mark.skipif(os.getuid() != 0 or not shutil.which("setpriv"), reason="drops from root to nobody")
