@@ -19,10 +19,8 @@ from pathlib import Path
 #: Where the bridge's folder is seen inside the sandbox.
 INSIDE_FOLDER = "/run/lightning-rl"
 
-#: The relay inside the sandbox: python3 -c INSIDE PORT SOCKET ARGV... (exits with the command's status)
-INSIDE = r"""
-import os, socket, subprocess, sys, threading
-port, path, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+#: Relays one direction of a connection until it ends (run on both sides: the host's bridge and the relay inside).
+PUMP = r"""
 def pump(a, b):
     try:
         while True:
@@ -37,6 +35,11 @@ def pump(a, b):
             b.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+"""
+
+#: The relay inside the sandbox: python3 -c INSIDE PORT SOCKET ARGV... (exits with the command's status)
+INSIDE = "import os, socket, subprocess, sys, threading\n" + PUMP + r"""
+port, path, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 def serve(listener):
     while True:
         client, _ = listener.accept()
@@ -57,6 +60,9 @@ code = subprocess.call(argv)
 sys.stdout.flush()
 os._exit(code if code >= 0 else 128 - code)
 """
+_host: dict[str, object] = {"socket": socket}
+exec(PUMP, _host)  # noqa: S102 - our own constant: the same relay loop on the host's side
+_pump = _host["pump"]
 
 
 def host_port(url: str) -> tuple[str, int]:
@@ -69,19 +75,6 @@ def host_port(url: str) -> tuple[str, int]:
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
         raise ConfigurationError(f"gateway URL {url!r}: give http://HOST:PORT (the gateway's address, with its port)")
     return parts.hostname, parts.port
-
-
-def _pump(a: socket.socket, b: socket.socket) -> None:
-    try:
-        while data := a.recv(65536):
-            b.sendall(data)
-    except OSError:
-        pass
-    finally:
-        try:
-            b.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
 
 class UnixBridge:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from .backends import _FolderSandbox, register_sandbox_backend
+from .layers import disk_usage
 from .base import ENDINGS, Limits, RunResult, SandboxError, run_process
 
 #: The image every container sandbox starts from unless told otherwise (built locally, see ``IMAGE_RECIPE``).
@@ -114,17 +115,6 @@ def _ulimits() -> list[str]:
             value = min(v for v in (hard, most) if v is not None)
             out += ["--ulimit", f"{name}={value}:{value}"]
     return out
-
-
-def _folder_bytes(folder: Path) -> int:
-    total = 0
-    for path, _, names in os.walk(folder):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(path, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 @register_sandbox_backend("docker")
@@ -254,7 +244,7 @@ class ContainerSandbox(_FolderSandbox):
                 raise SandboxError(f"this {self.cli} sandbox's container is gone ({self.broken}); take a new one")
         disk_mb = getattr(self.limits, "disk_mb", None)
         if (disk_mb is not None and "disk" in ENDINGS and done.ended == "exit"
-                and _folder_bytes(self.folder) > disk_mb << 20):
+                and disk_usage(self.folder) > disk_mb << 20):
             done = dataclasses.replace(done, ended="disk")
         return done
 
