@@ -188,14 +188,20 @@ class _Jail:
         from ..sandbox import current_sandbox, open_sandbox
         from ..sandbox.bridge import UnixBridge, host_port
 
+        address = host_port(gateway_url)
         self.box = current_sandbox(required=False)
         self.own = self.box is None
         if self.own:
             self.box = open_sandbox(backend, cwd)
-        if not hasattr(self.box, "launch"):
-            raise ConfigurationError(f"the {type(self.box).__name__} sandbox cannot run a command behind the gateway "
-                                     "bridge; use the bwrap backend")
-        self.bridge = UnixBridge(*host_port(gateway_url))
+        try:
+            if not hasattr(self.box, "launch"):
+                raise ConfigurationError(f"the {type(self.box).__name__} sandbox cannot run a command behind the "
+                                         "gateway bridge; use the bwrap backend")
+            self.bridge = UnixBridge(*address)
+        except BaseException:
+            if self.own:
+                self.box.close()
+            raise
         self.argv = argv
         self.read_only = sorted({f for f in map(_install_folder, [argv[0], *read_only]) if f})
         self.status = self.cleanup = None

@@ -250,16 +250,21 @@ class BwrapSandbox(_FolderSandbox):
             raise SandboxError(f"the bwrap sandbox backend cannot run here: {missing}")
         if gateway is not None and network:
             raise ConfigurationError("network=True gives the host's network, gateway= only the gateway: choose one")
+        from .bridge import INSIDE_FOLDER, UnixBridge, host_port
+
+        address = host_port(gateway) if gateway is not None else None  # refused before anything is made
         super().__init__(source, snapshot=snapshot, limits=limits, in_place=in_place)
         self.network = network
         self.binds = tuple(binds)
         self.sockets = dict(sockets or {})  # a host folder -> its path inside (the gateway's bridge)
         #: ``gateway`` (a URL): every command runs behind the relay, the gateway its only address
         self.bridge = None
-        if gateway is not None:
-            from .bridge import INSIDE_FOLDER, UnixBridge, host_port
-
-            self.bridge = UnixBridge(*host_port(gateway))
+        if address is not None:
+            try:
+                self.bridge = UnixBridge(*address)
+            except BaseException:
+                self.close()
+                raise
             self.sockets[str(self.bridge.folder)] = INSIDE_FOLDER
 
     def command(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, status_fd: int | None = None,

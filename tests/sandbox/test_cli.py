@@ -67,9 +67,14 @@ def test_exec_with_the_gateway_reaches_it_and_nothing_else(tmp_path):
 
 
 def test_exec_refuses_bad_network_input_in_one_line():
+    import tempfile
+    from pathlib import Path
+
+    before = set(Path(tempfile.gettempdir()).glob("lrl-sandbox-*"))
     done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--", "true"],
                               env={"LIGHTNING_RL_GATEWAY_URL": ""})
     assert done.exit_code == 1 and "--gateway-url" in done.output and done.output.count("\n") == 1
     done = CliRunner().invoke(main, ["sandbox", "exec", "--network", "gateway", "--gateway-url", "nowhere", "--",
                                      "true"])
     assert done.exit_code == 1 and "http://HOST:PORT" in done.output
+    assert not set(Path(tempfile.gettempdir()).glob("lrl-sandbox-*")) - before  # refused before any folder was made
