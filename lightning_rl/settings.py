@@ -53,6 +53,8 @@ variable                           meaning                                      
                                    ``binary=``)                                                ``./node_modules/.bin``)
 ``LIGHTNING_RL_CODEX``             the ``codex`` executable for ``codex()``, likewise          likewise
 ``LIGHTNING_RL_OPENCODE``          the ``opencode`` executable for ``opencode()``, likewise    likewise
+``LIGHTNING_RL_GATEWAY_URL``       the gateway for ``sandbox exec --network gateway``           none
+                                   (``http://HOST:PORT``)
 =================================  ==========================================================  =====================
 
 Set by lightning-rl for a command agent (``lightning_rl.command``, the gateway), read by that agent:
@@ -63,6 +65,8 @@ Set by lightning-rl for a command agent (``lightning_rl.command``, the gateway),
 ``LIGHTNING_RL_REWARDS_URL``       where it may POST rewards for its rollout
 ``LIGHTNING_RL_MODEL``             the model name to call, when the rollout's caller chose the
                                    engine (``command(upstream=None)``: a verl server)
+``LIGHTNING_RL_SANDBOX_WORKDIR``   in a sandbox (``codex()``, ``opencode()``): the try's folder
+                                   there (``/work``), used instead of the task's ``cwd``
 =================================  ==========================================================
 
 Set by ``train verl`` for verl's processes (``trainer_bridge/verl/main.py``):
@@ -124,6 +128,8 @@ ENV_API_KEY = "LIGHTNING_RL_API_KEY"
 ENV_ROLLOUT_ID = "LIGHTNING_RL_ROLLOUT_ID"
 ENV_TASK = "LIGHTNING_RL_TASK"
 ENV_REWARDS_URL = "LIGHTNING_RL_REWARDS_URL"
+ENV_SANDBOX_WORKDIR = "LIGHTNING_RL_SANDBOX_WORKDIR"
+ENV_GATEWAY_URL = "LIGHTNING_RL_GATEWAY_URL"
 # the coding-agent CLIs' executables (gateway/coding_agents.py), when not given as binary= nor on PATH
 ENV_CLI_BINARY = {"claude": "LIGHTNING_RL_CLAUDE", "codex": "LIGHTNING_RL_CODEX", "opencode": "LIGHTNING_RL_OPENCODE"}
 # internal: store serve's settings for its worker processes

@@ -8,6 +8,7 @@ import sys
 import click
 
 from ..errors import ConfigurationError, SandboxError
+from ..settings import ENV_GATEWAY_URL
 from ._common import errors
 
 #: Exit codes of ``sandbox exec`` that are not the command's (as timeout(1) and docker run use them).
@@ -32,7 +33,7 @@ def sandbox_group() -> None:
 @click.option("--network", default="none", show_default=True, type=click.Choice(["none", "gateway"]),
               help="none: its own empty network namespace; gateway: the gateway at --gateway-url is its only "
                    "address, at the same URL inside (bwrap).")
-@click.option("--gateway-url", default=None, envvar="LIGHTNING_RL_GATEWAY_URL",
+@click.option("--gateway-url", default=None, envvar=ENV_GATEWAY_URL,
               help="The gateway for --network gateway, http://HOST:PORT (default: $LIGHTNING_RL_GATEWAY_URL).")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @errors

@@ -19,7 +19,7 @@ import orjson
 from .. import semconv
 from ..diagnostics import count
 from ..errors import ConfigurationError
-from ..settings import ENV_CLI_BINARY, variable
+from ..settings import ENV_CLI_BINARY, ENV_SANDBOX_WORKDIR, variable
 
 # --- Claude Code -------------------------------------------------------------------------------------
 # What Claude Code (2.1.332, captured from the real CLI) sends that tells its lines apart: a sub-agent's
@@ -345,7 +345,7 @@ def _cli(kind: str, program: str, package: str, extra: Sequence[str], sandbox: s
     # standard library), its folders in the sandbox's private /tmp, the task's folder its copy at /work
     python, root = ("python3", "/tmp/lightning-rl-cli") if jailed else (sys.executable, _root())
     argv = [python, "-c", _LAUNCHER, kind, exe, model or "", root, sandbox, *extra]
-    more = {**(env or {}), "LIGHTNING_RL_SANDBOX_WORKDIR": "/work"} if jailed else env
+    more = {**(env or {}), ENV_SANDBOX_WORKDIR: "/work"} if jailed else env
     # model: the CLI's configuration asks for it; the gateway sends any other name it asks for as it too
     return _command(argv, upstream=upstream, name=name or kind, agent=agent, env=more, timeout=timeout, mode=mode,
                     reward=reward or _no_reward, model=model, label=f"{exe} {'exec' if kind == 'codex' else 'run'}",
