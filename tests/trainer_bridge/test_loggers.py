@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -132,8 +133,14 @@ def test_each_tracker_gets_the_training_curves_and_sample_tables(tmp_path, track
         assert artifacts == ["samples/step_00001.json", "samples/step_00002.json"]
     else:
         (run_dir,) = (out / "wandb").glob("offline-run-*")
-        history = _wandb_history(run_dir)
-        steps = [h for h in history if "actor/pg_loss" in h]
+        # wandb's service process writes the run file: on a loaded machine (a fresh-clone make test, 2026-11-29) it
+        # once held no history record yet when read; it is read again until both steps are there (30 s at most)
+        deadline = time.monotonic() + 30
+        while True:
+            steps = [h for h in _wandb_history(run_dir) if "actor/pg_loss" in h]
+            if len(steps) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert [h["_step"] for h in steps] == [1, 2]
         assert [h["actor/pg_loss"] for h in steps] == pytest.approx([x["loss"] for x in lines])
         assert VERL_KEYS <= set(steps[0])
