@@ -123,11 +123,17 @@ class TaskQueue(Protocol):
         answering as soon as something can be leased, or empty after ``wait`` seconds."""
         ...
 
-    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool: ...
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0,
+                  rollout_id: str | None = None) -> bool:
+        """Extend ``runner``'s lease; False once it is lost. With ``rollout_id``, False once the entry is
+        another try (its lease expired and it was leased again, even to this runner)."""
+        ...
 
-    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str, *,
+                 rollout_id: str | None = None) -> bool:
         """Record a try's outcome, after the records written so far (an outcome never overtakes the
-        rollout it reports on). False if ``runner`` no longer holds the lease (it expired)."""
+        rollout it reports on). False if ``runner`` no longer holds the lease (it expired). With
+        ``rollout_id`` (the runner always sends it) only that try's: False once the entry is another try."""
         ...
 
     def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:

@@ -13,7 +13,10 @@ Rules:
   (a server killed between its commit and its reply) gets them instead of stranding them until they
   expire.
 * ``heartbeat`` extends a lease; ``complete`` records the rollout's outcome. Only the runner holding
-  the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused). A done entry
+  the lease can heartbeat or complete (a late, expired runner's ``complete`` is refused). Given the try's
+  ``rollout_id`` (the runner always sends it), only while the entry is still that try: an expired try
+  re-leased to the same runner is a new try, and the old one's late ``complete`` is refused
+  (``queue_results_refused_stale_try``) instead of ending the new one before it ran. A done entry
   keeps the runner that completed it, so that runner repeating the same outcome (a retry after a lost
   answer) is told yes again.
 * ``cancel(queue_ids, reason=)`` ends tries that are queued or leased: they are ``cancelled``, never leased
@@ -105,31 +108,41 @@ def expire(entry: QueueEntry, expire_rollout: Callable[[QueueEntry, str], None])
                                     "lease_key": None})
 
 
-def _held(view: QueueView, queue_id: str, runner: str) -> QueueEntry | None:
+def _held(view: QueueView, queue_id: str, runner: str, rollout_id: str | None = None) -> QueueEntry | None:
+    """The entry ``runner`` holds now; with ``rollout_id``, only while it still holds that try (a retry of the
+    same entry leased to the same runner is another try: the old one's late results never land on it)."""
     found = view.select(status=[QueueStatus.LEASED], queue_id=queue_id)
-    return found[0] if found and found[0].runner == runner else None
+    if not found or found[0].runner != runner:
+        return None
+    if rollout_id is not None and found[0].rollout_id != rollout_id:
+        return None
+    return found[0]
 
 
-def heartbeat(view: QueueView, queue_id: str, runner: str, lease_seconds: float, now: float) -> bool:
-    entry = _held(view, queue_id, runner)
+def heartbeat(view: QueueView, queue_id: str, runner: str, lease_seconds: float, now: float,
+              rollout_id: str | None = None) -> bool:
+    entry = _held(view, queue_id, runner, rollout_id)
     if entry is None:
         return False
     view.put([entry.model_copy(update={"lease_expires": now + lease_seconds})])
     return True
 
 
-def complete(view: QueueView, queue_id: str, runner: str,
-             outcome: RolloutStatus | str) -> tuple[bool, QueueStatus | None]:
+def complete(view: QueueView, queue_id: str, runner: str, outcome: RolloutStatus | str,
+             rollout_id: str | None = None) -> tuple[bool, QueueStatus | None]:
     """Whether the outcome is recorded (True also when this runner recorded it before: a retried request),
-    and the status of the entry as found (None: none that ``runner`` held, or holds)."""
+    and the status of the entry as found (None: none that ``runner`` held, or holds). With ``rollout_id``
+    the outcome is that try's only: refused when the entry has moved on to another try."""
     outcome = RolloutStatus(outcome)
-    entry = _held(view, queue_id, runner)
+    entry = _held(view, queue_id, runner, rollout_id)
     if entry is None:  # already done by this runner with this outcome: a retried request, same answer
         found = view.select(status=[QueueStatus.DONE, QueueStatus.CANCELLED], queue_id=queue_id)
-        if not found:  # unknown, or another runner's lease
-            return False, None
+        if not found:  # unknown, another runner's lease, or another try
+            return False, QueueStatus.LEASED if _held(view, queue_id, runner) else None
         ended = found[0]
-        return ended.status == QueueStatus.DONE and ended.runner == runner and ended.outcome == outcome, ended.status
+        same_try = rollout_id is None or ended.rollout_id == rollout_id
+        return (ended.status == QueueStatus.DONE and ended.runner == runner and ended.outcome == outcome
+                and same_try), ended.status
     view.put([entry.model_copy(update={"status": QueueStatus.DONE, "outcome": outcome, "lease_expires": None})])
     return True, QueueStatus.LEASED
 
@@ -277,14 +290,17 @@ def check_lease(lease_seconds: float, limit: int) -> None:
         raise ConfigurationError(f"a lease takes at least one try, got limit={limit!r}; give e.g. limit=1")
 
 
-def heartbeat_in(txn: Txn, queue_id: str, runner: str, lease_seconds: float) -> bool:
-    return txn(lambda view: heartbeat(view, queue_id, runner, lease_seconds, time.time()))
+def heartbeat_in(txn: Txn, queue_id: str, runner: str, lease_seconds: float, rollout_id: str | None = None) -> bool:
+    return txn(lambda view: heartbeat(view, queue_id, runner, lease_seconds, time.time(), rollout_id))
 
 
-def complete_in(txn: Txn, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
-    recorded, status = txn(lambda view: complete(view, queue_id, runner, outcome))
+def complete_in(txn: Txn, queue_id: str, runner: str, outcome: RolloutStatus | str,
+                rollout_id: str | None = None) -> bool:
+    recorded, status = txn(lambda view: complete(view, queue_id, runner, outcome, rollout_id))
     if status == QueueStatus.CANCELLED:
         count("queue_results_refused_cancelled")  # its runner ran a try nobody waits for any more
+    elif status == QueueStatus.LEASED and not recorded:
+        count("queue_results_refused_stale_try")  # an expired try's result; the entry is its retry now
     return recorded
 
 

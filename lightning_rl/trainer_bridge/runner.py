@@ -228,7 +228,7 @@ class Runner:
             sent = time.monotonic()
             try:
                 held = await self._store_call(self.store.heartbeat, entry.queue_id, self.runner_id,
-                                              lease_seconds=self.lease_seconds)
+                                              lease_seconds=self.lease_seconds, rollout_id=entry.rollout_id)
             except LightningRLError as exc:  # the store is away; keep beating, the lease may survive
                 report_failure("runner heartbeat", exc)
                 continue
@@ -349,7 +349,8 @@ class Runner:
         deadline = time.monotonic() + self.lease_seconds
         while True:
             try:
-                await self._store_call(self.store.complete, entry.queue_id, self.runner_id, outcome)
+                await self._store_call(self.store.complete, entry.queue_id, self.runner_id, outcome,
+                                       rollout_id=entry.rollout_id)
                 return
             except ConfigurationError:  # refused (403), not away: the lease expires and another runner retries
                 raise

@@ -258,6 +258,30 @@ def test_an_expired_lease_does_not_bring_a_cancelled_try_back(store):
     assert not store.heartbeat(held.queue_id, "r") and not store.complete(held.queue_id, "r", "failed")
 
 
+def test_a_late_result_of_an_expired_try_never_ends_its_retry_leased_to_the_same_runner(store):
+    # the soak test's failure (CI, 2026-11-29): the server came back after its runner's lease ran out, the runner's
+    # own lease request re-leased the try to it, and the first try's late complete ended the retry before it ran
+    (entry,) = store.enqueue({"q": 1}, n=1, max_tries=3)
+    (first,) = store.lease("r", lease_seconds=0.1)
+    time.sleep(0.2)
+    (retry,) = store.lease("r", lease_seconds=30)
+    assert retry.queue_id == first.queue_id and retry.rollout_id != first.rollout_id
+    diagnostics.reset()
+    assert not store.heartbeat(first.queue_id, "r", rollout_id=first.rollout_id)
+    assert not store.complete(first.queue_id, "r", "succeeded", rollout_id=first.rollout_id)
+    assert diagnostics.counters().get("queue_results_refused_stale_try") == 1
+    (now,) = store.queue_entries([entry.group_id])
+    assert now.status == QueueStatus.LEASED and now.rollout_id == retry.rollout_id and now.outcome is None
+    assert store.heartbeat(retry.queue_id, "r", rollout_id=retry.rollout_id)
+    assert store.complete(retry.queue_id, "r", "failed", rollout_id=retry.rollout_id)
+    assert store.complete(retry.queue_id, "r", "failed", rollout_id=retry.rollout_id)  # a retried request: yes
+    assert not store.complete(retry.queue_id, "r", "failed", rollout_id=first.rollout_id)  # the old try: no
+    (done,) = store.queue_entries([entry.group_id])
+    assert done.status == QueueStatus.DONE and done.outcome == RolloutStatus.FAILED and done.rollout_id == retry.rollout_id
+    store.flush()
+    assert store.get_rollout(first.rollout_id).status == RolloutStatus.TIMED_OUT
+
+
 @pytest.mark.parametrize("bad, named", [("3f2a", "a list of queue ids"), ([1], "a list of queue ids"),
                                         (None, "a list of queue ids"), ([""], "a list of queue ids")])
 def test_cancel_refuses_what_is_not_a_list_of_queue_ids(store, bad, named):

@@ -12,7 +12,9 @@ import time
 import pytest
 
 import lightning_rl as lrl
-from lightning_rl.records import RolloutStatus
+from lightning_rl import diagnostics
+from lightning_rl.errors import StoreError
+from lightning_rl.records import QueueStatus, RolloutStatus
 from lightning_rl.trainer_bridge.runner import Runner
 
 
@@ -94,6 +96,46 @@ def test_killed_runner_lease_expires_and_task_is_retried(tmp_path):
     statuses = {r.status for r in store.rollouts()}
     assert statuses == {RolloutStatus.TIMED_OUT, RolloutStatus.SUCCEEDED}  # the partial try kept, apart
     assert [t.rollout_id for t in lrl.trajectories(store, status="succeeded")] == [done.rollout_id]
+    store.close()
+
+
+class _AwayForTheFirstTry(lrl.SQLiteStore):
+    """A store whose answer to a try's complete is lost while that entry is still on its first try: the
+    runner's lease runs out meanwhile and its own free slot leases the retry (the soak test's failure)."""
+
+    def complete(self, queue_id, runner, outcome, **kw):
+        (entry,) = [e for e in self.queue_entries(self.groups) if e.queue_id == queue_id]
+        if entry.tries == 1:
+            raise StoreError("the store server is restarting")
+        return super().complete(queue_id, runner, outcome, **kw)
+
+
+def test_a_late_outcome_of_a_try_never_ends_its_retry_on_the_same_runner(tmp_path):
+    store = _AwayForTheFirstTry(tmp_path / "runs.db")
+    (entry,) = store.enqueue({"q": 1}, n=1, max_tries=3)
+    store.groups = [entry.group_id]
+    previous = lrl.tracer.tracing._sink
+    lrl.configure(store=store)
+    diagnostics.reset()
+    ran = []
+    try:
+        @lrl.trace
+        def agent(task):
+            ran.append(lrl.current_rollout_id())
+            if len(ran) == 2:  # the retry runs while the first try's outcome still comes back
+                time.sleep(3.0)
+                ran.append(store.queue_entries(store.groups)[0].status)
+            return 1.0
+
+        Runner(store, agent, runner_id="same", concurrency=2, lease_seconds=1.5, wait=0.1).run_until_done(store.groups)
+    finally:
+        lrl.tracer.tracing.set_sink(previous)
+    (done,) = store.queue_entries(store.groups)
+    assert done.tries == 2 and len(ran) == 3 and done.rollout_id == ran[1]  # the retry ran, on the same runner
+    assert ran[2] == QueueStatus.LEASED  # not ended by the first try's outcome while it ran
+    assert diagnostics.counters().get("queue_results_refused_stale_try") == 1  # which came late, and was refused
+    assert store.get_rollout(done.rollout_id).status == done.outcome == RolloutStatus.SUCCEEDED
+    assert store.get_rollout(ran[0]).status == RolloutStatus.TIMED_OUT
     store.close()
 
 

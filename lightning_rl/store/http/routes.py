@@ -388,12 +388,13 @@ class StoreRoutes:
     async def heartbeat(self, request: Request) -> Response:
         data = await body_of(request, wire.HeartbeatIn)
         ok = await anyio.to_thread.run_sync(lambda: self.store.heartbeat(
-            data.queue_id, data.runner, lease_seconds=data.lease_seconds))
+            data.queue_id, data.runner, lease_seconds=data.lease_seconds, rollout_id=data.rollout_id))
         return json_response({"ok": ok})
 
     async def complete(self, request: Request) -> Response:
         data = await body_of(request, wire.CompleteIn)
-        ok = await anyio.to_thread.run_sync(lambda: self.store.complete(data.queue_id, data.runner, data.outcome))
+        ok = await anyio.to_thread.run_sync(lambda: self.store.complete(
+            data.queue_id, data.runner, data.outcome, rollout_id=data.rollout_id))
         return json_response({"ok": ok})
 
     async def cancel(self, request: Request) -> Response:

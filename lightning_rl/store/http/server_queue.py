@@ -63,17 +63,23 @@ class ServerQueue:
             if entries or deadline - time.monotonic() <= 0:
                 return entries
 
-    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
-        return self._request("POST", "/queue/heartbeat",
-                             json=dict(queue_id=queue_id, runner=runner, lease_seconds=lease_seconds))["ok"]
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0,
+                  rollout_id: str | None = None) -> bool:
+        body = dict(queue_id=queue_id, runner=runner, lease_seconds=lease_seconds)
+        if rollout_id is not None:  # sent only when given: an older server takes the rest
+            body["rollout_id"] = rollout_id
+        return self._request("POST", "/queue/heartbeat", json=body)["ok"]
 
-    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str, *,
+                 rollout_id: str | None = None) -> bool:
         """Once this process's records are on the server: an outcome never overtakes the rollout it reports
         on. While a spilled backlog cannot be written back (for ``retry_for`` seconds) it raises
         :class:`StoreError`, and the try's lease runs on."""
         self._drain(self._retry_for)
-        return self._request("POST", "/queue/complete",
-                             json=dict(queue_id=queue_id, runner=runner, outcome=RolloutStatus(outcome).value))["ok"]
+        body = dict(queue_id=queue_id, runner=runner, outcome=RolloutStatus(outcome).value)
+        if rollout_id is not None:
+            body["rollout_id"] = rollout_id
+        return self._request("POST", "/queue/complete", json=body)["ok"]
 
     def _drain(self, timeout: float) -> None:
         """Wait until everything written so far is on the server, spilled backlog included."""

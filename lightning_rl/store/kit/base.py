@@ -193,12 +193,14 @@ class KitStore:
             return lease_now()
         return task_queue.lease_waiting(lease_now, wait, self._bell, probe=self._queue_ready)
 
-    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
-        return task_queue.heartbeat_in(self._queue_txn, queue_id, runner, lease_seconds)
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0,
+                  rollout_id: str | None = None) -> bool:
+        return task_queue.heartbeat_in(self._queue_txn, queue_id, runner, lease_seconds, rollout_id)
 
-    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str, *,
+                 rollout_id: str | None = None) -> bool:
         self.flush()  # the records written so far go first
-        return task_queue.complete_in(self._queue_txn, queue_id, runner, outcome)
+        return task_queue.complete_in(self._queue_txn, queue_id, runner, outcome, rollout_id)
 
     def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:
         """As every store's; a leased try's rollout is marked (``expire_rollout``) and flushed before the answer."""

@@ -61,7 +61,8 @@ SELECT * FROM swept UNION ALL SELECT * FROM again UNION ALL SELECT * FROM fresh
 """
 
 HEARTBEAT = (f"UPDATE queue SET lease_expires = {_NOW} + %s "
-             "WHERE queue_id = %s AND status = 'leased' AND runner = %s")
+             "WHERE queue_id = %s AND status = 'leased' AND runner = %s "
+             "AND (%s::text IS NULL OR rollout_id = %s)")
 
 #: Is there anything to lease now (queued, or leased with its lease run out)?
 READY = (f"SELECT EXISTS (SELECT 1 FROM queue WHERE status = 'queued') OR EXISTS (SELECT 1 FROM queue "

@@ -82,20 +82,22 @@ class PostgresQueue:
                 self._listener = pgq.Listener(self._connect, self.schema, self._bell, self.shown)
         return task_queue.lease_waiting(lease_now, wait, self._bell)
 
-    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0) -> bool:
+    def heartbeat(self, queue_id: str, runner: str, *, lease_seconds: float = 60.0,
+                  rollout_id: str | None = None) -> bool:
         """Extends the lease from the database's clock, not this process's."""
         task_queue.check_lease(lease_seconds, 1)
 
         def beat(conn: Any) -> bool:
             with conn.cursor() as cur:
-                cur.execute(pgq.HEARTBEAT, (float(lease_seconds), queue_id, runner))
+                cur.execute(pgq.HEARTBEAT, (float(lease_seconds), queue_id, runner, rollout_id, rollout_id))
                 return cur.rowcount > 0
 
         return self._with(beat, what="the task queue")
 
-    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str) -> bool:
+    def complete(self, queue_id: str, runner: str, outcome: RolloutStatus | str, *,
+                 rollout_id: str | None = None) -> bool:
         self.flush()  # the records written so far go first
-        return task_queue.complete_in(self._queue("wait"), queue_id, runner, outcome)
+        return task_queue.complete_in(self._queue("wait"), queue_id, runner, outcome, rollout_id)
 
     def cancel(self, queue_ids: Sequence[str], *, reason: str = "") -> list[str]:
         """As every store's; a leased try's rollout is marked ``timed_out`` in the cancel's own transaction (no

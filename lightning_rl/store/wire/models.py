@@ -153,12 +153,15 @@ class HeartbeatIn(_Wire):
     queue_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     lease_seconds: float = Field(60.0, gt=0, le=86_400)
+    #: the try the runner means: refused once the entry is another try (sent only when given)
+    rollout_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
 
 
 class CompleteIn(_Wire):
     queue_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     runner: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     outcome: RolloutStatus
+    rollout_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
 
 
 #: the most queue ids one cancel request names (``HttpStore.cancel`` sends more as several requests)
