@@ -20,6 +20,7 @@ import orjson
 from ..diagnostics import count
 from ..errors import CommandFailed, ConfigurationError, SandboxError
 from ..settings import ENV_MODEL, ENV_REWARDS_URL, ENV_ROLLOUT_ID, ENV_TASK
+from ..store.lifecycle import exec_after_fork
 from ..tracer.context import current_rollout
 from ..tracer.decorator import current_endpoint, trace
 from ..tracer.provider import current_our_span
@@ -216,10 +217,11 @@ class _Jail:
             full, prepare, self.cleanup = self.box.launch(self.bridge.wrap(self.argv), env, None, write,
                                                           binds={str(self.bridge.folder): INSIDE_FOLDER},
                                                           read_only=self.read_only)
-            return await asyncio.create_subprocess_exec(*full, stdin=asyncio.subprocess.PIPE, env={},
-                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                        cwd=str(self.box.root), start_new_session=True,
-                                                        preexec_fn=prepare, pass_fds=(write,))
+            with exec_after_fork():  # the child only sets itself up and execs: no store is re-opened in it
+                return await asyncio.create_subprocess_exec(
+                    *full, stdin=asyncio.subprocess.PIPE, env={}, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, cwd=str(self.box.root), start_new_session=True,
+                    preexec_fn=prepare, pass_fds=(write,))
         finally:
             os.close(write)
 

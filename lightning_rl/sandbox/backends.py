@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..registry import Registry
+from ..store.lifecycle import exec_after_fork
 from .base import Limits, RunResult, SandboxError, inside, run_process
 from .cgroups import RunGroup, cgroup_bases
 from .layers import Layers, Snapshot, disk_usage, mount_overlay_in_child, overlay_options, relative_parts
@@ -204,8 +205,9 @@ def overlay_available() -> str | None:
         for name in ("lower", "upper", "work", "merged"):
             (root / name).mkdir()
         options = overlay_options(root / "lower", root / "upper", root / "work", os.getuid() == 0)
-        done = subprocess.run(["true"], preexec_fn=lambda: mount_overlay_in_child(options, root / "merged"),
-                              capture_output=True, text=True, timeout=30)
+        with exec_after_fork():
+            done = subprocess.run(["true"], preexec_fn=lambda: mount_overlay_in_child(options, root / "merged"),
+                                  capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             return (f"{done.stderr.strip()[:300]}: overlayfs in a user namespace needs Linux >= 5.11 with user "
                     "namespaces on (sysctl kernel.unprivileged_userns_clone=1), or run as root")

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..store.lifecycle import exec_after_fork
 from typing import Protocol, runtime_checkable
 
 from ..diagnostics import count
@@ -112,10 +114,11 @@ def run_process(argv: Sequence[str], *, stdin: bytes | str | None, env: Mapping[
     data = stdin.encode() if isinstance(stdin, str) else stdin
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env), cwd=cwd,
-                                start_new_session=True, pass_fds=tuple(pass_fds),
-                                preexec_fn=limits.apply if prepare is None else lambda: (prepare(), limits.apply()))
+        with exec_after_fork():  # the child only sets itself up and execs: the stores are not re-opened in it
+            proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env), cwd=cwd,
+                                    start_new_session=True, pass_fds=tuple(pass_fds),
+                                    preexec_fn=limits.apply if prepare is None else lambda: (prepare(), limits.apply()))
     except OSError as exc:
         raise SandboxError(f"could not start {argv[0]!r}: {exc}") from exc
     kept: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}

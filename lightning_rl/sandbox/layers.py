@@ -33,8 +33,13 @@ _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 MAX_FILES, MAX_MB = 100_000, 2048
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
+# Resolved here, in the parent, once: a child between fork and exec must not dlopen or dlsym (the loader's lock may
+# be held by another thread of the parent at the fork, and then the child waits on it forever: seen as a sandbox
+# command that never started, its Popen waiting for the exec, when the suite ran under load).
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_UNSHARE, _MOUNT = _LIBC.unshare, _LIBC.mount
+
+
 
 
 def overlay_options(lower: Path, upper: Path, work: Path, privileged: bool) -> bytes:
@@ -50,14 +55,14 @@ def mount_overlay_in_child(options: bytes, merged: Path) -> None:
     """Run in the command's child before it execs bwrap: a mount namespace of its own (and, unprivileged, a user
     namespace mapping only this user), then the overlay at ``merged``. A failure is written to stderr with
     exit status 125, before anything of the try starts."""
-    libc, uid, gid = _libc(), os.getuid(), os.getgid()
+    uid, gid = os.getuid(), os.getgid()
     step = "unshare"
     try:
         # A new user namespace is refused (EINVAL) while anything else holds a reference to this process's memory:
         # right after fork, a reader of /proc/PID (ps, a process scan) can; measured here in 62 of 200 forks of a
         # process with threads. The reference is brief: retried.
         for attempt in range(200):
-            if libc.unshare(_CLONE_NEWNS if uid == 0 else _CLONE_NEWNS | _CLONE_NEWUSER) == 0:
+            if _UNSHARE(_CLONE_NEWNS if uid == 0 else _CLONE_NEWNS | _CLONE_NEWUSER) == 0:
                 break
             if ctypes.get_errno() != errno.EINVAL or attempt == 199:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
@@ -68,10 +73,10 @@ def mount_overlay_in_child(options: bytes, merged: Path) -> None:
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
         step = "make mounts private"
-        if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        if _MOUNT(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         step = "mount the overlay"
-        if libc.mount(b"overlay", str(merged).encode(), b"overlay", 0, options) != 0:
+        if _MOUNT(b"overlay", str(merged).encode(), b"overlay", 0, options) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except OSError as exc:
         os.write(2, f"lightning-rl sandbox: could not {step} for the try's copy-on-write view: {exc}\n".encode())

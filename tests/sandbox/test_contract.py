@@ -179,3 +179,38 @@ def test_a_program_read_from_inside_the_working_folders_path_is_mounted_apart_fr
     assert listing == "main.py"  # the try's folder holds the task's files only
     assert path.startswith(f"{MOVED_FOLDER}{tools}/.bin:")
     assert sorted(p.name for p in task.iterdir()) == ["main.py"]  # no mount point left among them
+
+
+def test_a_sandbox_commands_child_execs_without_reopening_the_stores(tmp_path):
+    """Python runs the after-fork hooks in a Popen child with a preexec_fn, and the stores' hook re-opened SQLite
+    connections there, between fork and exec: a child that deadlocked on SQLite's allocator mutex, held by another
+    thread at the fork (seen in gdb: run_at_forkers -> pysqlite_connection_init -> sqlite3Malloc -> futex). A sandbox
+    command's child re-opens nothing; a plain fork's child still re-opens the stores it inherits."""
+    from lightning_rl.store import lifecycle
+
+    reopened = tmp_path / "reopened"
+
+    class Store:  # what lifecycle.track() keeps: its _after_fork is called in forked children
+        _closed = False
+
+        def _after_fork(self) -> None:
+            fd = os.open(reopened, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+
+        def close(self) -> None:
+            self._closed = True
+
+    store = Store()
+    lifecycle.track(store)
+    try:
+        with open_sandbox("bwrap") as box:
+            assert box.run(["true"]).ok
+        assert not reopened.exists()  # the sandbox command's child only set itself up and exec'd
+        pid = os.fork()
+        if pid == 0:  # a worker process forked from here: it uses the stores, so they are re-opened in it
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert reopened.read_text().split() == [str(pid)]
+    finally:
+        store.close()
