@@ -108,6 +108,13 @@ class Trainer(ConfigModel):
     run_name: str | None = None  # the trackers' run name (default: the out_dir's name)
     init_adapter: Path | Mapping[str, Path] | None = None  # start from this LoRA (policies.py, "Layout")
     judge: Any = None  # a GroupJudge: rewards the tries a task set leaves unrewarded (lightning_rl.judge)
+    # every try in a sandbox of its own (Runner's): a SandboxPool, a PoolPerTask or a pool spec; after a try that
+    # succeeded, protect= is restored in it and score(task, sandbox) is its reward; a sandbox that fails is the
+    # infrastructure's failure (its group is dropped), never a zero reward
+    sandboxes: Any = Field(None, repr=False)
+    score: Any = Field(None, repr=False)
+    protect: Sequence[str] = ()
+    infra_retries: NonNegativeInt = 2
 
     _policies: Policies = PrivateAttr()
     _agents: str | list[str] | None = PrivateAttr(None)
@@ -159,6 +166,11 @@ class Trainer(ConfigModel):
             raise ConfigurationError(
                 f"the advantage estimator {grouped[0]!r} compares the tries of a task, so it needs n >= 2 (got "
                 f"n={self.n}); raise n, or use LocalConfig(adv_estimator='batch_baseline')")
+        if self.sandboxes is not None and self.processes:
+            raise ConfigurationError(f"sandboxes= gives each try a sandbox from this process's pool, and processes="
+                                     f"{self.processes} runs the agent in worker processes: set processes=0")
+        if self.score is not None and self.sandboxes is None:
+            raise ConfigurationError("score= runs in each try's sandbox after its agent: give sandboxes= too")
         self._rng = random.Random(self.seed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -202,7 +214,8 @@ class Trainer(ConfigModel):
                 self._loop = LoopThread()
             runner = self._runners[id(agent)] = Runner(
                 self.store, agent, concurrency=self.concurrency, lease_seconds=self.lease_seconds,
-                rollout_timeout=self.rollout_timeout, loop=self._loop)
+                rollout_timeout=self.rollout_timeout, loop=self._loop, sandboxes=self.sandboxes, score=self.score,
+                protect=list(self.protect), infra_retries=self.infra_retries)
         return runner
 
     def _run_groups(self, agent: Callable[[Any], Any], tasks: Sequence[Any], n: int, mode: str, desc: str) -> list[str]:

@@ -83,3 +83,23 @@ def test_failed_worker_processes_raise_one_error_naming_their_codes_and_the_fix(
     failed = sum(1 for code in error.codes if code)
     assert str(error).startswith(f"{failed} of 2 worker processes exited non-zero (exit codes {error.codes}")
     assert "set processes=0" in str(error)
+
+
+def test_sandboxes_reach_the_trainers_runner_and_are_refused_with_worker_processes(sqlite_store, tmp_path):
+    from lightning_rl.sandbox.pool import PoolPerTask
+
+    pools = PoolPerTask(lambda task: ("k", tmp_path))
+
+    def score(task, box):
+        return 1.0
+
+    trainer = _trainer(sqlite_store, tmp_path, sandboxes=pools, score=score, protect=["tests"], infra_retries=1)
+    runner = trainer._runner(trainer.agent)
+    try:
+        assert (runner.sandboxes, runner.score, runner.protect, runner.infra_retries) == (pools, score, ("tests",), 1)
+    finally:
+        runner.close()
+    with pytest.raises(ConfigurationError, match=r"processes=2 runs the agent in worker processes: set processes=0"):
+        _trainer(sqlite_store, tmp_path, sandboxes=pools, processes=2)
+    with pytest.raises(ConfigurationError, match="score= runs in each try's sandbox after its agent: give sandboxes="):
+        _trainer(sqlite_store, tmp_path, score=score)
