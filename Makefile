@@ -9,11 +9,12 @@ VERL_E2E_VENV := .venv-verl-e2e
 FRAMEWORKS_VENV := .venv-frameworks
 ADK_VENV := .venv-adk
 MODEL_DIR := .cache/tiny-qwen2
+CODING_MODEL_DIR := .cache/tiny-coding
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
 .PHONY: containers dockerd
-.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres bubblewrap screenshots model test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine bench clean
+.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres bubblewrap screenshots model model-coding test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine demo-coding bench clean
 
 all: venv venv-vllm model node-deps browser postgres bubblewrap
 
@@ -146,6 +147,17 @@ $(MODEL_DIR)/config.json: scripts/make_tiny_model.py | $(VENV)/.stamp
 	flock $(MODEL_DIR).lock sh -c '[ $(MODEL_DIR)/config.json -nt scripts/make_tiny_model.py ] || $(PY) scripts/make_tiny_model.py --out $(MODEL_DIR) $(MODEL_ARGS)'
 model: $(MODEL_DIR)/config.json
 
+# The coding-fix demo's model (issue 56): the same architecture and tokenizer, warm-started on the coding-fix agent's
+# conversations instead (examples/coding_fix/traces.py). Only demo-coding and the coding overlap bench use it, so the
+# test suites' vLLM tests keep the calculator model, and make test does not build this one.
+CODING_MODEL_ARGS := --family coding --layers 4 --batch 8 --warm-start-steps 1500
+CODING_MODEL_SOURCES := scripts/make_tiny_model.py examples/coding_fix/traces.py examples/coding_fix/tasks.py \
+  examples/coding_fix/tools.py examples/coding_fix/agent.py
+$(CODING_MODEL_DIR)/config.json: $(CODING_MODEL_SOURCES) | $(VENV)/.stamp
+	@mkdir -p $(dir $(CODING_MODEL_DIR))
+	flock $(CODING_MODEL_DIR).lock $(PY) scripts/make_tiny_model.py --out $(CODING_MODEL_DIR) $(CODING_MODEL_ARGS)
+model-coding: $(CODING_MODEL_DIR)/config.json
+
 # make test: scripts/run_suites.py runs the set-up (what the main suite needs, two builds at a time: pip and npm run on
 # one core each, and the tiny model's build on both), then two lanes side by side: the main suite in TEST_WORKERS
 # pytest-xdist workers (a file's tests in one worker; tests/conftest.py), and a lane that builds each other environment,
@@ -220,6 +232,10 @@ demo-continuous: $(DEMO_DEPS)
 
 demo-spine: $(DEMO_DEPS)
 	$(PY) examples/spine_demo.py --model-dir $(MODEL_DIR)
+
+# The coding-fix demo (issue 56): every try in a bwrap sandbox of its own, GRPO on the tests' verdict.
+demo-coding: venv venv-vllm model-coding bubblewrap
+	$(PY) examples/coding_fix/train.py --model-dir $(CODING_MODEL_DIR) $(DEMO_ARGS)
 
 bench: all venv-peer postgres
 	$(PY) bench/bench_store_server.py --peer-python .venv-peer/bin/python --json-out .cache/bench-store-server.json

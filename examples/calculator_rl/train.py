@@ -134,14 +134,14 @@ def serve_with_lora(stack: contextlib.ExitStack, model_dir: str | Path, out: Pat
                                           log_path=out / "vllm.log"))
 
 
-def fresh_run(out: str | Path, model_dir: str | Path) -> Path:
-    """An empty output folder, and the demo model built (``make model``) if it is not there yet."""
+def fresh_run(out: str | Path, model_dir: str | Path, target: str = "model") -> Path:
+    """An empty output folder, and the demo model built (``make model``, or ``target``) if it is not there yet."""
     out = Path(out)
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     out.mkdir(parents=True)
     if not (Path(model_dir) / "config.json").exists():
-        subprocess.run(["make", "-C", str(ROOT), "model"], check=True)
+        subprocess.run(["make", "-C", str(ROOT), target], check=True)
     return out
 
 

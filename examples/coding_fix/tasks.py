@@ -146,8 +146,7 @@ def generate(seed: int, *, split: str = "train", difficulty: int = 1, kind: str 
             "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))", "",
             f"from pkg import {', '.join(modules)}  # noqa: E402", "", "", "class TestPkg(unittest.TestCase):"]
     files["tests/test_pkg.py"] = "\n".join(head + tests) + "\n\n\nif __name__ == '__main__':\n    unittest.main()\n"
-    prompt = ("The package in this folder has a bug: some of its tests fail. Run the tests, read what fails, find "
-              "the line that is wrong and fix it, then run the tests again. Do not change the tests.")
+    prompt = "Some tests of this package fail. Run them, find the wrong line, fix it, run them again. Keep the tests."
     task_id = f"{split}-{difficulty}-{seed}"
     return Task(task_id=task_id, split=split, kind=kind, difficulty=difficulty, files=files, fix=fix, prompt=prompt,
                 meta={"modules": modules, "functions": len(modules) * per_module})
