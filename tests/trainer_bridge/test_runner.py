@@ -13,7 +13,6 @@ import pytest
 
 import lightning_rl as lrl
 from lightning_rl import diagnostics
-from lightning_rl.errors import StoreError
 from lightning_rl.records import QueueStatus, RolloutStatus
 from lightning_rl.trainer_bridge.runner import Runner
 
@@ -100,13 +99,16 @@ def test_killed_runner_lease_expires_and_task_is_retried(tmp_path):
 
 
 class _AwayForTheFirstTry(lrl.SQLiteStore):
-    """A store whose answer to a try's complete is lost while that entry is still on its first try: the
-    runner's lease runs out meanwhile and its own free slot leases the retry (the soak test's failure)."""
+    """A store whose answer to the first try's complete comes only once the retry is leased: meanwhile the
+    runner's lease ran out and its own free slot leased the retry (the soak test's failure, a server restart)."""
 
     def complete(self, queue_id, runner, outcome, **kw):
-        (entry,) = [e for e in self.queue_entries(self.groups) if e.queue_id == queue_id]
-        if entry.tries == 1:
-            raise StoreError("the store server is restarting")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the store is away until the entry is on its second try
+            (entry,) = [e for e in self.queue_entries(self.groups) if e.queue_id == queue_id]
+            if entry.tries > 1:
+                break
+            time.sleep(0.02)
         return super().complete(queue_id, runner, outcome, **kw)
 
 
