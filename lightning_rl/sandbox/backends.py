@@ -7,7 +7,6 @@ import dataclasses
 import filecmp
 import functools
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -295,27 +294,14 @@ class BwrapSandbox(_FolderSandbox):
         if self.limits.disk_mb is not None:
             args += ["--size", str(self.limits.disk_mb << 20)]
         args += ["--tmpfs", "/tmp", "--bind", str(mine), self.workdir]
-        moved = {}
         for path in (*self.binds, *read_only):
-            inside = self.inside_path(path)
-            if inside != path:
-                moved[path] = inside
-            args += ["--ro-bind", path, inside]
+            args += ["--ro-bind", path, path]
         for host_path, inside_path in {**self.sockets, **(binds or {})}.items():
             args += ["--bind", host_path, inside_path]
         args += ["--chdir", cwd or self.workdir, "--clearenv"]
         for key, value in env.items():
-            args += ["--setenv", key, _moved(value, moved)]
-        return [*args, "--", *(_moved(arg, moved) for arg in argv)]
-
-    def inside_path(self, path: str) -> str:
-        """Where a host path the command may read is mounted: at the same path, unless that falls in the sandbox's
-        working folder (a checkout under /work, seen from a sandbox whose folder is /work): then under
-        ``/run/lightning-rl/host``, so that bwrap never makes its mount point in the try's own files."""
-        work = self.workdir.rstrip("/")
-        if path == work or path.startswith(work + "/"):
-            return MOVED_FOLDER + path
-        return path
+            args += ["--setenv", key, value]
+        return [*args, "--", *argv]
 
     def launch(self, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None, status_fd: int,
                binds: Mapping[str, str] | None = None, read_only: Sequence[str] = ()) -> tuple[list[str], Any, Any]:
@@ -376,17 +362,6 @@ class BwrapSandbox(_FolderSandbox):
 
 #: The resource limits ``launch``'s ``prepare`` has already set (run_process keeps only the output cap).
 UNLIMITED = {"memory_mb": None, "cpu_seconds": None, "file_mb": None, "open_files": None, "processes": None}
-
-
-#: where host paths a command reads are mounted when their own path is inside the sandbox's working folder
-MOVED_FOLDER = "/run/lightning-rl/host"
-
-
-def _moved(value: str, moved: Mapping[str, str]) -> str:
-    """``value`` (an argument, or an environment value such as a PATH) with the moved host paths as mounted."""
-    for host, inside in moved.items():
-        value = re.sub(rf"(^|:){re.escape(host)}(?=/|:|$)", lambda m: m.group(1) + inside, value)
-    return value
 
 
 def read_status(read: int) -> bytes:

@@ -145,42 +145,6 @@ def test_at_the_deadline_nothing_of_a_bwrap_try_is_left_running():
     assert _leftovers(marker) == []
 
 
-def test_a_program_read_from_inside_the_working_folders_path_is_mounted_apart_from_the_trys_files(tmp_path):
-    """A checkout under /work (this machine's) seen from a sandbox whose folder is /work: the CLI's node_modules, read
-    at its host path, used to be mounted inside the try's folder (bwrap made the mount point among its files, the
-    agent saw it, and the empty folders stayed behind for the score). It is mounted under /run/lightning-rl/host."""
-    import subprocess
-
-    from lightning_rl.sandbox.backends import MOVED_FOLDER
-
-    tools = tmp_path / "checkout" / "node_modules"
-    (tools / ".bin").mkdir(parents=True)
-    (tools / ".bin" / "hello").write_text("#!/bin/sh\necho hello from $0\n")
-    (tools / ".bin" / "hello").chmod(0o755)
-    task = tmp_path / "task"
-    task.mkdir()
-    (task / "main.py").write_text("print(1)\n")
-    with open_sandbox("bwrap", task) as box:
-        box.workdir = str(tmp_path)  # what /work is to a checkout under /work
-        argv = ["sh", "-c", f'{tools}/.bin/hello; ls -A "{box.workdir}"; echo "$PATH"']
-        read, write = os.pipe()
-        full, prepare, cleanup = box.launch(argv, {"PATH": f"{tools}/.bin:/usr/bin:/bin"}, None, write,
-                                            read_only=[str(tools)])
-        try:
-            done = subprocess.run(full, capture_output=True, text=True, timeout=30, env={}, cwd=str(box.root),
-                                  preexec_fn=prepare, pass_fds=(write,))
-        finally:
-            os.close(write)
-            os.close(read)
-            cleanup()
-    assert done.returncode == 0, done.stderr
-    hello, listing, path = done.stdout.strip().split("\n")
-    assert hello == f"hello from {MOVED_FOLDER}{tools}/.bin/hello"
-    assert listing == "main.py"  # the try's folder holds the task's files only
-    assert path.startswith(f"{MOVED_FOLDER}{tools}/.bin:")
-    assert sorted(p.name for p in task.iterdir()) == ["main.py"]  # no mount point left among them
-
-
 def test_a_sandbox_commands_child_execs_without_reopening_the_stores(tmp_path):
     """Python runs the after-fork hooks in a Popen child with a preexec_fn, and the stores' hook re-opened SQLite
     connections there, between fork and exec: a child that deadlocked on SQLite's allocator mutex, held by another
