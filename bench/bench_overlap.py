@@ -95,17 +95,19 @@ def run_once(mode: str, seed: int, args, server_url: str, out: Path) -> dict:
 
         fam = overlap_coding.Family(seed, args.eval_tasks, out)
         held_out, tasks, extra = fam, fam.tasks, fam.trainer_options()
-        agent = overlap_coding.agent(client, "policy", 1.0, lambda task, attempt, version: tool_latency(
-            [task, attempt, version], *latency))
+        agent = overlap_coding.agent(client, "policy", overlap_coding.TEMPERATURE, lambda task, attempt, version:
+                                     tool_latency([task, attempt, version], *latency))
+        local = lrl.LocalConfig(lr=args.lr, **overlap_coding.LOCAL)
     else:
         held_out = make_tasks(args.eval_tasks, seed=10_000 + seed)
         tasks = make_tasks(400, seed=seed, exclude={(t["a"], t["b"]) for t in held_out})
         agent = make_agent(client, "policy", 1.0, latency)
+        local = lrl.LocalConfig(lr=args.lr)
     overlap = mode == "overlap"
     trainer = lrl.Trainer(agent=agent, tasks=tasks, store=store,
                       model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
                       tasks_per_step=args.tasks_per_step, steps=args.steps, concurrency=args.concurrency,
-                      local=lrl.LocalConfig(lr=args.lr), seed=seed, progress=False, overlap=overlap,
+                      local=local, seed=seed, progress=False, overlap=overlap,
                       max_staleness=args.max_staleness if overlap else 0, **extra)
     started = time.time()
     result = trainer.fit()
@@ -174,7 +176,7 @@ def evaluate_versions(publishes: list, held_out: Any, server_url: str, concurren
 #: real repository's tests: seconds), 0.5 held-out success as the level (the demo starts near 0.2)
 CODING_DEFAULTS = {"model_dir": str(ROOT / ".cache" / "tiny-coding"), "tasks_per_step": 4, "eval_tasks": 24,
                    "level": 0.5, "tool_median": 3.0, "tool_min": 1.0, "tool_max": 20.0, "concurrency": 32,
-                   "out": str(ROOT / ".cache" / "bench-overlap-coding")}
+                   "lr": 3e-4, "out": str(ROOT / ".cache" / "bench-overlap-coding")}
 
 
 def main() -> None:

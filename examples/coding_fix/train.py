@@ -59,10 +59,8 @@ def env_share(store: lrl.SQLiteStore, mode: str) -> tuple[float, int]:
     """The share of the tries' time spent in their sandboxes' tools, and how many tries ran (of ``mode``)."""
     rollouts = [r for r in store.rollouts() if r.mode == mode and r.end_time is not None]
     total = sum(r.end_time - r.start_time for r in rollouts)
-    env = 0.0
-    for r in rollouts:
-        env += sum(s.end_time - s.start_time for s in store.spans(r.rollout_id)
-                   if s.name.startswith("execute_tool ") and s.end_time is not None)
+    env = sum((s.end_ns - s.start_ns) / 1e9 for r in rollouts for s in store.spans(r.rollout_id)
+              if s.name.startswith("execute_tool "))
     return (env / total if total else 0.0), len(rollouts)
 
 
@@ -75,7 +73,9 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=24)
     parser.add_argument("--eval-n", type=int, default=2, help="sampled tries per held-out task")
     parser.add_argument("--difficulty", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-4,
+                        help="at 1e-3 (the calculator demo's) the policy collapsed to garbage calls after 4 steps")
+    parser.add_argument("--mini-batch", type=int, default=32, help="samples per optimizer step (about 150 a batch)")
     parser.add_argument("--temperature", type=float, default=0.5,
                         help="sampling temperature of training and evaluation (the trainer's log-probs use it too): at "
                              "1.0 the tiny model miscopies a line's digits or names too often to ever fix one")
@@ -115,7 +115,8 @@ def main() -> None:
             model_dir=args.model_dir, server_url=server_url, out_dir=out, n=args.n,
             tasks_per_step=args.tasks_per_step, steps=args.steps, eval_tasks=[as_task(t) for t in held_out],
             eval_n=args.eval_n, eval_agent=make_agent(client, "policy", args.temperature, seeded_by_version=False),
-            local=lrl.LocalConfig(lr=args.lr, temperature=args.temperature), seed=args.seed, concurrency=args.concurrency,
+            local=lrl.LocalConfig(lr=args.lr, temperature=args.temperature, mini_batch_size=args.mini_batch),
+            seed=args.seed, concurrency=args.concurrency,
             sandboxes=pools, score=tools.score, protect=list(family.Task.protected), rollout_timeout=300.0,
         )
         result = trainer.fit()
