@@ -16,6 +16,8 @@ from lightning_rl import semconv
 from lightning_rl.sandbox.pool import PoolPerTask
 from lightning_rl.trainer_bridge.runner import Runner
 
+from .conftest import SERVED_NAME
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "coding_fix"))
 import agent as coding_agent  # noqa: E402
 import tasks as family  # noqa: E402
@@ -32,7 +34,7 @@ def test_the_coding_agent_runs_its_tools_in_its_sandbox_and_is_scored_by_the_tes
         return task["id"], made[task["id"]].write(tmp_path / task["id"])
 
     client = openai.AsyncOpenAI(base_url=vllm_url, api_key="EMPTY", max_retries=0)
-    agent = coding_agent.make_agent(client, "tiny", 1.0, first_tool="run_tests")
+    agent = coding_agent.make_agent(client, SERVED_NAME, 1.0, first_tool="run_tests")
     groups = [traced.enqueue({"id": t.task_id, "prompt": t.prompt}, n=2)[0].group_id for t in made.values()]
     pools = PoolPerTask(folder_of, size=2)
     try:

@@ -7,6 +7,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,7 @@ def test_at_the_deadline_nothing_of_a_bwrap_try_is_left_running():
     assert _leftovers(marker) == []
 
 
-def test_a_sandbox_commands_child_execs_without_reopening_the_stores(tmp_path):
+def test_a_sandbox_commands_child_execs_without_reopening_the_stores(tmp_path, monkeypatch):
     """Python runs the after-fork hooks in a Popen child with a preexec_fn, and the stores' hook re-opened SQLite
     connections there, between fork and exec: a child that deadlocked on SQLite's allocator mutex, held by another
     thread at the fork (seen in gdb: run_at_forkers -> pysqlite_connection_init -> sqlite3Malloc -> futex). A sandbox
@@ -166,6 +167,8 @@ def test_a_sandbox_commands_child_execs_without_reopening_the_stores(tmp_path):
             self._closed = True
 
     store = Store()
+    # only this store is re-opened in the forked child (not the worker's real ones: their re-open is what can hang)
+    monkeypatch.setattr(lifecycle, "_open", weakref.WeakSet())
     lifecycle.track(store)
     try:
         with open_sandbox("bwrap") as box:
@@ -174,7 +177,13 @@ def test_a_sandbox_commands_child_execs_without_reopening_the_stores(tmp_path):
         pid = os.fork()
         if pid == 0:  # a worker process forked from here: it uses the stores, so they are re-opened in it
             os._exit(0)
-        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 30
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):  # never a test that waits forever on a stuck child
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not exit within 30 s")
+            time.sleep(0.01)
         assert reopened.read_text().split() == [str(pid)]
     finally:
         store.close()
