@@ -103,40 +103,35 @@ def read_file(path: str, call_id: str | None = None) -> str:
     return answer
 
 
-def edit_line(path: str, line: int, text: str, call_id: str | None = None) -> str:
-    arguments = json.dumps({"path": path, "line": line, "text": text})
-    with lrl.tool_span("edit_line", call_id=call_id, arguments=arguments) as span:
+def _edit(tool: str, path: str, line: int, arguments: dict[str, Any], change: Any, call_id: str | None) -> str:
+    """A tool span that changes line ``line`` of ``path`` in the try's sandbox to ``change(text)`` (which raises
+    ValueError to refuse); a bad path, line or change is the answer the model sees, not a failure of the try."""
+    with lrl.tool_span(tool, call_id=call_id, arguments=json.dumps(arguments)) as span:
         box = lrl.sandbox()
         try:
             lines = box.get(path).decode().split("\n")
             if not isinstance(line, int) or not 1 <= line <= len(lines):
                 raise ValueError(f"line {line!r} is not a line of {path} (1-{len(lines)})")
-            lines[line - 1] = text
+            lines[line - 1] = change(lines[line - 1])
             box.put(path, "\n".join(lines))
             answer = f"ok: {path}:{line} edited"
         except (OSError, ValueError) as exc:
             answer = f"error: {exc}"
         span.result = answer
     return answer
+
+
+def edit_line(path: str, line: int, text: str, call_id: str | None = None) -> str:
+    return _edit("edit_line", path, line, {"path": path, "line": line, "text": text}, lambda _: text, call_id)
 
 
 def replace(path: str, line: int, old: str, new: str, call_id: str | None = None) -> str:
-    arguments = json.dumps({"path": path, "line": line, "old": old, "new": new})
-    with lrl.tool_span("replace", call_id=call_id, arguments=arguments) as span:
-        box = lrl.sandbox()
-        try:
-            lines = box.get(path).decode().split("\n")
-            if not isinstance(line, int) or not 1 <= line <= len(lines):
-                raise ValueError(f"line {line!r} is not a line of {path} (1-{len(lines)})")
-            if not isinstance(old, str) or not old or old not in lines[line - 1]:
-                raise ValueError(f"{old!r} is not in line {line} of {path}")
-            lines[line - 1] = lines[line - 1].replace(old, str(new), 1)
-            box.put(path, "\n".join(lines))
-            answer = f"ok: {path}:{line} edited"
-        except (OSError, ValueError) as exc:
-            answer = f"error: {exc}"
-        span.result = answer
-    return answer
+    def change(current: str) -> str:
+        if not isinstance(old, str) or not old or old not in current:
+            raise ValueError(f"{old!r} is not in line {line} of {path}")
+        return current.replace(old, str(new), 1)
+
+    return _edit("replace", path, line, {"path": path, "line": line, "old": old, "new": new}, change, call_id)
 
 
 def call(name: str, arguments: dict[str, Any], call_id: str | None = None) -> str:
