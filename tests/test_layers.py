@@ -1,6 +1,6 @@
 """Imports point one way (DESIGN.md, "Layers"): read every module's imports with ``ast``.
 
-bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving, sink) <- tracer <- capture <- adapters;
+bottom (records, errors, semconv, settings, diagnostics, boundaries, registry, serving, sink, forks) <- tracer <- capture <- adapters;
 bottom <- store; tracer, capture and store <- gateway; the gateway and the adapters both stand on capture (the exchange
 record, the dialects) and never import each other; store and trainer_bridge <- viewer; the face (``__init__``, ``_api``, ``cli``) and ``trainer_bridge`` wire them together. Imports inside
 functions count too: a lazy import still runs against the flow.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_rl"
-BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries", "registry", "serving", "sink"}
+BOTTOM = {"records", "errors", "semconv", "settings", "diagnostics", "boundaries", "registry", "serving", "sink", "forks"}
 FACE = {"lightning_rl", "_api", "cli"}
 # layer -> the layers it must never import
 FORBIDDEN = {

@@ -20,7 +20,7 @@ import orjson
 from ..diagnostics import count
 from ..errors import CommandFailed, ConfigurationError, SandboxError
 from ..settings import ENV_MODEL, ENV_REWARDS_URL, ENV_ROLLOUT_ID, ENV_TASK
-from ..store.lifecycle import exec_after_fork
+from ..forks import exec_after_fork
 from ..tracer.context import current_rollout
 from ..tracer.decorator import current_endpoint, trace
 from ..tracer.provider import current_our_span

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..registry import Registry
-from ..store.lifecycle import exec_after_fork
+from ..forks import exec_after_fork
 from .base import Limits, RunResult, SandboxError, inside, run_process
 from .cgroups import RunGroup, cgroup_bases
 from .layers import Layers, Snapshot, disk_usage, mount_overlay_in_child, overlay_options, relative_parts

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store.lifecycle import exec_after_fork
+from ..forks import exec_after_fork
 from typing import Protocol, runtime_checkable
 
 from ..diagnostics import count
