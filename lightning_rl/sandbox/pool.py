@@ -10,6 +10,7 @@ and its try then fails as infrastructure (``SandboxError``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -180,7 +181,10 @@ class SandboxPool:
 
     @contextlib.asynccontextmanager
     async def acquire_async(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
-        box = await asyncio.to_thread(self._checkout, timeout)
+        """``acquire`` for a coroutine. The wait for a free sandbox blocks a thread of its own, never one of the
+        loop's default executor: with its few threads all waiting, the give-back that frees one queued behind them
+        (a stall for good). A wait cancelled before its sandbox comes gives that sandbox back when it comes."""
+        box = await _in_own_thread(self._checkout, timeout, on_abandoned=lambda box: self._checkin(box, False))
         box.broken = False
         try:
             yield box
@@ -188,7 +192,7 @@ class SandboxPool:
             box.broken = True
             raise
         finally:
-            await asyncio.to_thread(self._checkin, box, getattr(box, "broken", False))
+            await _in_own_thread(self._checkin, box, getattr(box, "broken", False))
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -269,3 +273,23 @@ class PoolPerTask:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.close()
+
+
+async def _in_own_thread(fn: Any, *args: Any, on_abandoned: Any = None) -> Any:
+    """``fn(*args)`` in a new thread, awaited; if the awaiting task is cancelled, its result goes to
+    ``on_abandoned`` when it comes."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="lightning-rl-sandbox-wait", daemon=True).start()
+    try:
+        return await asyncio.shield(asyncio.wrap_future(done))
+    except asyncio.CancelledError:
+        if on_abandoned is not None:
+            done.add_done_callback(lambda f: f.exception() is None and on_abandoned(f.result()))
+        raise

@@ -92,6 +92,10 @@ class Runner:
         # Store calls never queue behind agents (asyncio's default pool is shared with everything),
         # nor behind each other while an outage makes them wait: a thread per try, and two more.
         self._store_pool = ThreadPoolExecutor(max_workers=concurrency + 2, thread_name_prefix=f"{self.runner_id}-store")
+        # A try's sandbox calls (make its task's pool, take one, score, give it back) run one after another in a
+        # thread of their own: a try waiting for a free sandbox blocks its thread, and never the give-back of the
+        # try that would free one (in asyncio's default pool, 6 threads here, they did: a stall for good).
+        self._sandbox_pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"{self.runner_id}-sandbox")
         self._stopping = False
         self._last_busy = time.monotonic()
 
@@ -141,6 +145,10 @@ class Runner:
 
     async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._store_pool, lambda: fn(*args, **kwargs))
+
+    async def _sandbox_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        ctx = contextvars.copy_context()  # as asyncio.to_thread does: the score sees the try's context
+        return await asyncio.get_running_loop().run_in_executor(self._sandbox_pool, ctx.run, fn, *args)
 
     async def _drive(self, idle_done: Callable[[], Any], *, max_rollouts: int | None = None,
                      on_done: Callable[[QueueEntry, str], None] | None = None, wait: float | None = None) -> int:
@@ -213,6 +221,7 @@ class Runner:
             self._aio.close()
         self._aio = None
         self._store_pool.shutdown(wait=False)
+        self._sandbox_pool.shutdown(wait=False)
         if self._owned_pool is not None:
             self._owned_pool.close()
 
@@ -255,12 +264,12 @@ class Runner:
                 try:
                     if not hasattr(self.sandboxes, "acquire"):  # a pool per task (PoolPerTask): this task's
                         try:
-                            tries.pool = await asyncio.to_thread(self.sandboxes, entry.task)
+                            tries.pool = await self._sandbox_call(self.sandboxes, entry.task)
                         except Exception as exc:  # its snapshot could not be made: no try of it can run
                             raise SandboxError(f"the task's sandbox pool could not be made: "
                                                f"{type(exc).__name__}: {exc}") from exc
                     try:
-                        await asyncio.to_thread(tries.take, entry.rollout_id)
+                        await self._sandbox_call(tries.take, entry.rollout_id)
                     except SandboxError:
                         raise
                     except Exception as exc:  # a pool that cannot give one (a bad option, a closed snapshot)
@@ -276,7 +285,7 @@ class Runner:
                 else:
                     await self._run_sync(entry, lease)
             if tries is not None and self.score is not None:
-                await asyncio.to_thread(self._score, entry, tries)
+                await self._sandbox_call(self._score, entry, tries)
         except _LeaseGone:
             outcome = None  # never started: the queue retries the try under a new rollout id
             count("runner_tries_not_started_lease_expired")
@@ -287,7 +296,7 @@ class Runner:
         finally:
             beat.cancel()
             if tries is not None:
-                await asyncio.to_thread(tries.give_back)
+                await self._sandbox_call(tries.give_back)
         if outcome is None:
             return
         await self._complete(entry, outcome)

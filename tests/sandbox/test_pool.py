@@ -5,8 +5,10 @@ gradient."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 import pytest
@@ -136,6 +138,75 @@ def test_a_runner_gives_each_try_a_sandbox_and_scores_it_with_the_tests_restored
     rewards = {k: {traced.rewards(e.rollout_id)[0].value for e in traced.queue_entries([g])} for k, g in groups.items()}
     assert rewards == {"honest": {1.0}, "cheat": {0.0}, "nothing": {0.0}}
     assert counters().get("sandbox_protected_restored", 0) >= 2
+
+
+def within(seconds, fn):
+    """``fn()``'s result, or a failure if it has not returned in ``seconds`` (its thread is left behind)."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(timeout=seconds)
+    assert out, f"still waiting after {seconds} s"
+    return out[0]
+
+
+def test_acquire_async_waits_for_a_free_sandbox_off_the_loops_default_executor(snapshot):
+    # A coroutine waiting for a sandbox once blocked a thread of the loop's default executor; with them all
+    # waiting, the give-back that would free one queued behind them. Here the default executor has one thread.
+    async def one(pool):
+        async with pool.acquire_async() as box:
+            await asyncio.sleep(0.05)
+            return box.run(["sh", "-c", "echo fixed > answer.txt"]).ok
+
+    async def all_of(pool):
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        return await asyncio.wait_for(asyncio.gather(*(one(pool) for _ in range(3))), timeout=60)
+
+    with SandboxPool(snapshot, size=1) as pool:
+        assert within(60, lambda: asyncio.run(all_of(pool))) == [True, True, True]
+        assert pool.stats()["in_use"] == 0
+
+
+def test_a_cancelled_wait_for_a_sandbox_gives_back_the_one_it_gets_later(snapshot):
+    async def scenario(pool):
+        async with pool.acquire_async():
+            waiting = asyncio.create_task(pool.acquire_async().__aenter__())
+            await asyncio.sleep(0.2)
+            waiting.cancel()
+        for _ in range(100):  # the cancelled wait's thread gets the sandbox freed above, then gives it back
+            await asyncio.sleep(0.05)
+            if pool.stats()["in_use"] == 0:
+                break
+        async with pool.acquire_async(timeout=10) as box:
+            return box.alive()
+
+    with SandboxPool(snapshot, size=1) as pool:
+        assert within(60, lambda: asyncio.run(scenario(pool))) is True
+        assert pool.stats()["in_use"] == 0
+
+
+def test_tries_waiting_for_a_free_sandbox_never_hold_up_the_tries_that_would_free_one(traced, snapshot):
+    # More tries than sandboxes: the waiting ones block in the pool. They once waited in the loop's default executor
+    # (6 threads on 2 cores), where the finished tries' scoring and give-back queued behind them: a bench at
+    # concurrency 32 stalled for good, its leases kept alive by heartbeats. Here the default executor has one thread.
+    @lrl.trace
+    def agent(task):
+        lrl.sandbox().run(["sh", "-c", "echo fixed > answer.txt"])
+
+    def score(task, box):
+        return 1.0 if box.run(["sh", "tests/test_it.sh"]).ok else 0.0
+
+    group = traced.enqueue({"i": 1}, n=4)[0].group_id
+    aio = asyncio.Runner()
+    aio.get_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+    with SandboxPool(snapshot, size=1) as pool:
+        runner = Runner(traced, agent, concurrency=4, sandboxes=pool, score=score, loop=aio)
+        done = threading.Thread(target=runner.run_until_done, args=([group],), daemon=True)
+        done.start()
+        done.join(timeout=120)
+        assert not done.is_alive(), "the runner stalled: tries waiting for a sandbox held up the ones holding one"
+    aio.close()
+    assert sorted(traced.rewards(e.rollout_id)[0].value for e in traced.queue_entries([group])) == [1.0] * 4
 
 
 def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure_after_its_retries(traced, snapshot):
