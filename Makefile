@@ -8,13 +8,14 @@ VERL_VENV := .venv-verl
 VERL_E2E_VENV := .venv-verl-e2e
 FRAMEWORKS_VENV := .venv-frameworks
 ADK_VENV := .venv-adk
+AGL_VENV := .venv-agl
 MODEL_DIR := .cache/tiny-qwen2
 CODING_MODEL_DIR := .cache/tiny-coding
 PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check --no-input -q
 
 .PHONY: containers dockerd
-.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-peer node-deps browser postgres bubblewrap screenshots model model-coding test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine demo-coding bench clean
+.PHONY: all venv venv-vllm venv-verl venv-verl-e2e venv-frameworks venv-adk venv-agl venv-peer node-deps browser postgres bubblewrap screenshots model model-coding test disk-check test-fast test-verl-e2e test-other-seed soak demo demo-sft demo-team demo-continuous demo-gateway demo-spine demo-coding bench clean
 
 all: venv venv-vllm model node-deps browser postgres bubblewrap
 
@@ -52,6 +53,28 @@ $(ADK_VENV)/.stamp: pyproject.toml constraints-adk.txt
 	$(ADK_VENV)/bin/pip install $(PIP_FLAGS) -c constraints-adk.txt -e '.[server,adk]' pytest pytest-asyncio
 	touch $@
 venv-adk: $(ADK_VENV)/.stamp
+
+# Agent Lightning 1.0.2 in its own environment, only for bench/bench_capture_peers.py (issue 57): 1.x needs Python >= 3.12
+# and records token ids and log-probs only in its server's LLM proxy. lightning-rl is installed here too, so the bench
+# also measures it under the same interpreter, and so is the OpenTelemetry openai instrumentation. AGL_PYTHON: a
+# Python 3.12 (default: python3.12 if it runs, else pyenv's newest 3.12).
+AGL_PYTHON ?= $(shell python3.12 -c 'import sys' >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+$(AGL_VENV)/.stamp: pyproject.toml constraints-agl.txt
+	@test -n "$(AGL_PYTHON)" || { echo "make venv-agl: no Python 3.12 found; set AGL_PYTHON=/path/to/python3.12" >&2; exit 1; }
+	$(AGL_PYTHON) -c 'import sys; assert sys.version_info[:2] >= (3, 12), sys.version'
+	$(AGL_PYTHON) -m venv $(AGL_VENV)
+	$(AGL_VENV)/bin/pip install $(PIP_FLAGS) -c constraints-agl.txt -e . agentlightning \
+		opentelemetry-instrumentation-openai-v2 opentelemetry-util-genai
+	$(AGL_VENV)/bin/python -c "import agentlightning, lightning_rl, opentelemetry.instrumentation.openai_v2, sys; \
+		print('agentlightning', agentlightning.__version__, 'python', sys.version.split()[0])"
+	touch $@
+venv-agl: $(AGL_VENV)/.stamp
+
+# The OpenTelemetry openai instrumentation in the main environment, for the same bench only (make bench).
+$(VENV)/.stamp-otel-genai: $(VENV)/.stamp constraints-otel-genai.txt
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints-otel-genai.txt opentelemetry-instrumentation-openai-v2 \
+		opentelemetry-util-genai
+	touch $@
 
 # verl in its own environment too: it pins transformers < 5.11 (the main one has LangChain's newer
 # transformers and vLLM has its own). Its suite (pytest -m verl) checks our batches and math
@@ -237,7 +260,8 @@ demo-spine: $(DEMO_DEPS)
 demo-coding: venv venv-vllm model-coding bubblewrap
 	$(PY) examples/coding_fix/train.py --model-dir $(CODING_MODEL_DIR) $(DEMO_ARGS)
 
-bench: all venv-peer postgres
+bench: all venv-peer postgres $(VENV)/.stamp-otel-genai
+	-$(MAKE) venv-agl  # Agent Lightning needs Python 3.12: without it, bench_capture_peers.py skips it and says why
 	$(PY) bench/bench_store_server.py --peer-python .venv-peer/bin/python --json-out .cache/bench-store-server.json
 	$(PY) bench/bench_pg_store_server.py --json-out .cache/bench-pg-store-server.json
 	$(PY) bench/bench_fleet_queue.py --json-out .cache/bench-fleet-queue.json
@@ -253,6 +277,7 @@ bench: all venv-peer postgres
 	$(PY) bench/bench_sandbox.py --json-out .cache/bench-sandbox.json
 	$(PY) bench/bench_storage_bytes.py --all
 	$(PY) bench/bench_capture_cost.py
+	$(PY) bench/bench_capture_peers.py --json-out .cache/bench-capture-peers.json
 	$(PY) bench/bench_policy_memory.py
 	$(PY) bench/bench_overlap.py --json-out .cache/bench-overlap.json
 	$(PY) bench/bench_publish_replicas.py --replicas 3 --json-out .cache/bench-publish-replicas.json
@@ -262,4 +287,4 @@ bench: all venv-peer postgres
 	$(PY) bench/bench_judge.py --json-out .cache/bench-judge.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(VERL_E2E_VENV) $(FRAMEWORKS_VENV) $(ADK_VENV) .venv-peer .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(VERL_E2E_VENV) $(FRAMEWORKS_VENV) $(ADK_VENV) $(AGL_VENV) .venv-peer .cache
