@@ -11,6 +11,7 @@ with no wait, each try in its sandbox, scored by the task's tests."""
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import sys
 from pathlib import Path
@@ -86,17 +87,20 @@ def evaluate(fam: Family, server_url: str, model: str, concurrency: int, eval_n:
 
     store = lrl.configure(store="memory://")
     client = openai.AsyncOpenAI(base_url=server_url + "/v1", api_key="EMPTY", max_retries=0)  # bound to the runner's loop
+    aio = asyncio.Runner()  # the runner's loop, closed here after the client: one collected later complained
     try:
         groups = [store.enqueue(t, n=eval_n, mode="eval")[0].group_id for t in fam.held_out]
         with Runner(store, agent(client, model, TEMPERATURE, seeded_by_version=False), concurrency=concurrency,
-                    sandboxes=fam.pools, score=tools.score, protect=list(family.Task.protected)) as runner:
+                    sandboxes=fam.pools, score=tools.score, protect=list(family.Task.protected), loop=aio) as runner:
             runner.run_until_done(groups)
+        aio.run(client.close())
         rewards = []
         for entry in store.queue_entries(groups):
             got = store.rewards(entry.rollout_id) if entry.outcome == "succeeded" else []
             rewards.append(got[0].value if got else 0.0)
         return sum(rewards) / len(rewards)
     finally:
+        aio.close()
         store.close()
 
 
