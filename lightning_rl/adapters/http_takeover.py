@@ -14,7 +14,7 @@ from ..errors import EngineRefusal, TranslationError
 from .. import semconv
 from ..diagnostics import count, report_failure
 from ..tracer.context import _rollout
-from ..capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
+from ..capture import CapturedCall, Server, gc_paused, refused_token_fields, resend_without_token_fields
 from ..capture.dialects import DIALECTS, MESSAGES, Dialect
 from ..capture.dialects.chat import ChatRenderer, relay_line, strip
 from .http_bypass import _not_ours, endpoint_of, instrumented_request
@@ -139,10 +139,11 @@ def _send_exchange(original: Any, client: Any, ex: _Exchange, args: tuple, kwarg
         return ex.refusal(response.status_code, text)
     if not ex.stream:
         try:
-            data = orjson.loads(response.read())
+            raw = response.read()
         finally:
             response.close()
-        return ex.whole(data)
+        with gc_paused():  # a whole answer's thousands of dicts set off no collection (capture/exchange.py)
+            return ex.whole(orjson.loads(raw))
     render = ex.renderer()
 
     def relayed() -> Any:

@@ -5,6 +5,8 @@ Its own part, below both of its users: the framework adapters (the openai client
 gateway import it and never each other; it imports only the tracer and the bottom (tests/test_layers.py).
 """
 
-from .exchange import CapturedCall, Server, refused_token_fields, resend_without_token_fields, takes_token_fields
+from .exchange import (CapturedCall, Server, gc_paused, refused_token_fields, resend_without_token_fields,
+                       takes_token_fields)
 
-__all__ = ["CapturedCall", "Server", "refused_token_fields", "resend_without_token_fields", "takes_token_fields"]
+__all__ = ["CapturedCall", "Server", "gc_paused", "refused_token_fields", "resend_without_token_fields",
+           "takes_token_fields"]

@@ -15,7 +15,7 @@ import orjson
 
 from ..errors import EngineRefusal, GatewayError, UpstreamError
 from .. import semconv
-from ..capture import CapturedCall, Server, refused_token_fields, resend_without_token_fields
+from ..capture import CapturedCall, Server, gc_paused, refused_token_fields, resend_without_token_fields
 from ..capture.dialects.chat import ChatRenderer, relay_line, strip
 from ..diagnostics import count
 from ..tracer.context import rollout_scope
@@ -153,9 +153,10 @@ class Forwarding:
                 return response.status_code, _error_json(text)
             if not stream:
                 self._in_flight[upstream] -= 1
-                data = orjson.loads(raw)
-                call.record_response(data)
-                return 200, strip(data, call.injected)
+                with gc_paused():  # a whole answer's thousands of dicts set off no collection (capture/exchange.py)
+                    data = orjson.loads(raw)
+                    call.record_response(data)
+                    return 200, strip(data, call.injected)
             call.streamed = True
             return Relay(self._relay(call, response, upstream, render), response)
 

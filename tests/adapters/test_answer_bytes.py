@@ -130,6 +130,78 @@ def test_async_client_too(traced):
     assert call.prompt_token_ids == PROMPT_IDS and call.response_logprobs == LOGPROBS
 
 
+def _long_answer(request: httpx.Request, tokens: int = 1000) -> httpx.Response:
+    """vLLM's answer of ``tokens`` tokens with their log-probs: thousands of dicts and lists once parsed."""
+    sent = json.loads(request.content)
+    content = [{"token": "a", "logprob": -i / tokens, "bytes": [97], "top_logprobs": []} for i in range(tokens)]
+    body = {"id": "chatcmpl-2", "object": "chat.completion", "created": 0, "model": sent["model"],
+            "prompt_token_ids": PROMPT_IDS, "usage": {"prompt_tokens": 5, "completion_tokens": tokens},
+            "choices": [{"index": 0, "finish_reason": "length", "token_ids": list(range(tokens)),
+                         "message": {"role": "assistant", "content": "a" * tokens}, "logprobs": {"content": content}}]}
+    return httpx.Response(200, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("path", ["openai client", "httpx taken over"])
+def test_reading_a_long_answer_sets_off_no_collection_and_leaves_the_collector_as_it_found_it(traced, monkeypatch,
+                                                                                               enabled, path):
+    """Issue 57: parsing a 1,000-token answer's log-probs makes thousands of dicts; with the collector on, they set
+    off collections (of the whole heap now and then: most of what a traced call at 4,000+1,000 added). It is held
+    off while the answer is read (and the parsed answer dropped), and left as it was: off stays off."""
+    import gc
+
+    from lightning_rl.capture import CapturedCall
+
+    client = openai.OpenAI(base_url="http://engine.local:8000/v1", api_key="EMPTY", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(_long_answer)))
+    inside, started_inside = [False], []
+    original = CapturedCall.read_answer_bytes
+
+    def read(call, raw):
+        inside[0] = True
+        try:
+            return original(call, raw)
+        finally:
+            inside[0] = False
+
+    def watch(phase, info):
+        if phase == "start" and inside[0]:
+            started_inside.append(info["generation"])
+
+    if path == "httpx taken over":  # no openai client: the HTTP layer takes the request over and parses the answer
+        original = CapturedCall.record_response
+        monkeypatch.setattr(CapturedCall, "record_response", read)
+    else:
+        monkeypatch.setattr(CapturedCall, "read_answer_bytes", read)
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)  # a collection every 50 new containers: thousands of chances in one answer
+    gc.callbacks.append(watch)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        @lrl.trace
+        def agent(q):
+            if path == "httpx taken over":
+                return client._client.post("http://engine.local:8000/v1/chat/completions",
+                                           json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1000}).json()
+            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1000)
+
+        r = agent("q")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*threshold)
+        (gc.enable if was else gc.disable)()
+    assert started_inside == []
+    if path == "httpx taken over":
+        assert r["choices"][0]["logprobs"] is None and r["choices"][0]["message"]["content"] == "a" * 1000
+    else:
+        assert r.choices[0].logprobs is None and r.choices[0].message.content == "a" * 1000
+    call = _recorded(traced)
+    assert call.response_token_ids == list(range(1000)) and call.prompt_token_ids == PROMPT_IDS
+    assert call.response_logprobs == pytest.approx([-i / 1000 for i in range(1000)], rel=1e-6)
+
+
 def test_an_answer_orjson_cannot_read_is_recorded_from_the_clients_objects(traced):
     """Python's json writes -inf as -Infinity; orjson refuses it, the client's parser takes it."""
     client = _client(Engine(logprob_text="-Infinity"))
