@@ -32,8 +32,9 @@ Contenders (``--contenders``):
   (``/proc/<pid>/task/*/schedstat``, nanoseconds, all its threads), read at both ends of both blocks.
 * ``floor``: what capture cannot avoid, timed alone, without any client: parsing the fields tracing adds to the
   answer and writing one packed row per call durably. Captured: ``orjson.loads`` of the answer with the token
-  fields, its ids and log-probs packed as lightning-rl packs them (``PackedTokens.of``: int32 ids, float32
-  log-probs), and one row per call (rollout id, seq, the three blobs) inserted into SQLite in WAL mode with
+  fields (with the garbage collector held off, as the capture parses an answer since issue 57:
+  ``capture.gc_paused``), its ids and log-probs packed as lightning-rl packs them (``PackedTokens.of``: int32 ids,
+  float32 log-probs), and one row per call (rollout id, seq, the three blobs) inserted into SQLite in WAL mode with
   ``synchronous=NORMAL`` (lightning-rl's default), one transaction per block (as the store's writer commits a
   flush); untraced: ``orjson.loads`` of the answer without them. It does not depend on the client: measured once
   per shape, shown under the first client.
@@ -593,13 +594,17 @@ class FloorWorker(Worker):
         return self.calls
 
     def captured(self) -> int:
+        from lightning_rl.capture import gc_paused
+
         loads, pack, full, n = self.loads, self.pack, self.full, len(self.full)
         rows = []
         for i in range(self.calls):
-            data = loads(full[i % n])
-            choice = data["choices"][0]
-            tokens = pack(data["prompt_token_ids"], choice["token_ids"],
-                          [x["logprob"] for x in choice["logprobs"]["content"]])
+            with gc_paused():  # as the capture parses an answer (issue 57): its dicts set off no collection
+                data = loads(full[i % n])
+                choice = data["choices"][0]
+                tokens = pack(data["prompt_token_ids"], choice["token_ids"],
+                              [x["logprob"] for x in choice["logprobs"]["content"]])
+                del data, choice
             self.seq += 1
             rows.append(("bench", self.seq, tokens.prompt, tokens.response, tokens.logprobs))
         self.conn.execute("BEGIN")
