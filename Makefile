@@ -173,7 +173,7 @@ model: $(MODEL_DIR)/config.json
 # The coding-fix demo's model (issue 56): the same architecture and tokenizer, warm-started on the coding-fix agent's
 # conversations instead (examples/coding_fix/traces.py). Only demo-coding and the coding overlap bench use it, so the
 # test suites' vLLM tests keep the calculator model, and make test does not build this one.
-CODING_MODEL_ARGS := --family coding --layers 4 --batch 8 --warm-start-steps 1500
+CODING_MODEL_ARGS := --family coding --layers 4 --batch 8 --warm-start-steps 1500 --right-fraction 0.15
 CODING_MODEL_SOURCES := scripts/make_tiny_model.py examples/coding_fix/traces.py examples/coding_fix/tasks.py \
   examples/coding_fix/tools.py examples/coding_fix/agent.py
 $(CODING_MODEL_DIR)/config.json: $(CODING_MODEL_SOURCES) | $(VENV)/.stamp

@@ -174,7 +174,8 @@ def evaluate_versions(publishes: list, held_out: Any, server_url: str, concurren
 
 #: ``--task coding``'s defaults: the coding model, 4 tasks x 8 tries a step, run_tests waiting 3 s at the median (a
 #: real repository's tests: seconds), the level 0.1 above the first version's held-out success (where it starts
-#: depends on the held-out tasks drawn: 0.271 on the demo's 24, 0.5 on their first 8; 12 demo steps gained 0-0.19)
+#: depends on the held-out tasks drawn and the model: with the model §27's overlap run used, 0.271 on the demo's 24 and
+#: 0.5 on their first 8; with the model of right_fraction 0.15, 0.167 on the demo's 24)
 CODING_DEFAULTS = {"model_dir": str(ROOT / ".cache" / "tiny-coding"), "tasks_per_step": 4, "eval_tasks": 24,
                    "gain": 0.1, "tool_median": 3.0, "tool_min": 1.0, "tool_max": 20.0, "concurrency": 32,
                    "lr": 3e-4, "out": str(ROOT / ".cache" / "bench-overlap-coding")}

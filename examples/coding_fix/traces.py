@@ -48,15 +48,12 @@ json.dump(out, sys.stdout)
 
 def right_edit(task: tasks.Task) -> tuple[str, str]:
     """The fix as a ``replace``: the part of the fix's line that is wrong, and what it must become."""
-    path, line, good = task.fix
-    bad = task.files[path].split("\n")[line - 1]
     if task.kind == "off_by_one":
         return "range(1, count)", "range(1, count + 1)"
     if task.kind == "swapped":
         return "(part, total)", "(total, part)"
-    if task.kind == "missing_case":
-        k = bad.split("return ")[1]
-        return f"return {k}", f"return -{k}"
+    if task.kind == "missing_case":  # the sign alone: ``return 3`` -> ``return -3`` with no digit to copy
+        return "return ", "return -"
     raise ValueError(f"no edits for kind {task.kind!r}; the readable kinds are {READABLE_KINDS}")
 
 
@@ -68,8 +65,7 @@ def wrong_edits(task: tasks.Task) -> list[tuple[str, str]]:
         return [(old, r) for r in ("range(0, count)", "range(1, count - 1)", "range(2, count + 1)")]
     if task.kind == "swapped":
         return [(old, r) for r in ("(part, part)", "(total, total)", "(part, total + 1)")]
-    k = old.split("return ")[1]
-    return [(old, f"return {r}") for r in ("0", f"{k} + 1", f"{k} - {k}")]
+    return [(old, r) for r in ("return +", "return 1 + ", "return 0 * ")]
 
 
 def run_batch(folders: list[Path]) -> dict[str, tuple[bool, str]]:
