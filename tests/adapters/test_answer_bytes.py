@@ -152,45 +152,26 @@ def test_reading_a_long_answer_sets_off_no_collection_and_leaves_the_collector_a
 
     from lightning_rl.capture import CapturedCall
 
+    from ..gc_watch import collections_inside
+
     client = openai.OpenAI(base_url="http://engine.local:8000/v1", api_key="EMPTY", max_retries=0,
                            http_client=httpx.Client(transport=httpx.MockTransport(_long_answer)))
-    inside, started_inside = [False], []
-    original = CapturedCall.read_answer_bytes
-
-    def read(call, raw):
-        inside[0] = True
-        try:
-            return original(call, raw)
-        finally:
-            inside[0] = False
-
-    def watch(phase, info):
-        if phase == "start" and inside[0]:
-            started_inside.append(info["generation"])
-
-    if path == "httpx taken over":  # no openai client: the HTTP layer takes the request over and parses the answer
-        original = CapturedCall.record_response
-        monkeypatch.setattr(CapturedCall, "record_response", read)
-    else:
-        monkeypatch.setattr(CapturedCall, "read_answer_bytes", read)
-    threshold = gc.get_threshold()
-    gc.set_threshold(50)  # a collection every 50 new containers: thousands of chances in one answer
-    gc.callbacks.append(watch)
+    # taken over (no openai client): the HTTP layer parses the answer, then records it
+    method = "record_response" if path == "httpx taken over" else "read_answer_bytes"
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
-        @lrl.trace
-        def agent(q):
-            if path == "httpx taken over":
-                return client._client.post("http://engine.local:8000/v1/chat/completions",
-                                           json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1000}).json()
-            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1000)
+        with collections_inside(monkeypatch, CapturedCall, method) as started_inside:
+            @lrl.trace
+            def agent(q):
+                if path == "httpx taken over":
+                    return client._client.post("http://engine.local:8000/v1/chat/completions",
+                                               json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1000}).json()
+                return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1000)
 
-        r = agent("q")
-        assert gc.isenabled() is enabled
+            r = agent("q")
+            assert gc.isenabled() is enabled
     finally:
-        gc.callbacks.remove(watch)
-        gc.set_threshold(*threshold)
         (gc.enable if was else gc.disable)()
     assert started_inside == []
     if path == "httpx taken over":

@@ -14,6 +14,8 @@ from lightning_rl.capture import CapturedCall
 from lightning_rl.gateway import BackgroundGateway
 from lightning_rl.serving import ServerThread
 
+from ..gc_watch import collections_inside
+
 pytest.importorskip("fastapi")
 from fastapi import FastAPI, Request  # noqa: E402 (module level: the route's annotations are strings)
 
@@ -36,35 +38,14 @@ def long_engine() -> FastAPI:
 
 
 def test_the_gateway_records_a_long_answer_without_setting_off_a_collection(traced, monkeypatch):
-    inside, started_inside = [False], []
-    original = CapturedCall.record_response
-
-    def record(call, resp):
-        inside[0] = True
-        try:
-            return original(call, resp)
-        finally:
-            inside[0] = False
-
-    def watch(phase, info):
-        if phase == "start" and inside[0]:
-            started_inside.append(info["generation"])
-
-    monkeypatch.setattr(CapturedCall, "record_response", record)
     engine = ServerThread(long_engine(), name="fake-long")
     engine.start("a fake engine")
-    threshold = gc.get_threshold()
     try:
         with BackgroundGateway([engine.url]) as gw:
             opened = httpx.post(f"{gw.url}/v1/rollouts", json={"task": 1}).json()
-            gc.set_threshold(50)  # a collection every 50 new containers: thousands of chances in one answer
-            gc.callbacks.append(watch)
-            try:
+            with collections_inside(monkeypatch, CapturedCall, "record_response") as started_inside:
                 r = httpx.post(opened["base_url"] + "/chat/completions", timeout=30,
                                json={"model": "m", "messages": [{"role": "user", "content": "go"}]})
-            finally:
-                gc.callbacks.remove(watch)
-                gc.set_threshold(*threshold)
             assert r.status_code == 200, r.text
             assert gc.isenabled()
             httpx.post(f"{gw.url}/v1/rollouts/{opened['rollout_id']}/finish", json={})
