@@ -18,6 +18,16 @@ committed as soon as without a window, and a process killed outright loses at mo
 rollouts ended in the last ``window`` seconds (and the transaction in progress). ``window=0`` (the
 default): every batch is written as it comes.
 
+Waking (issue 57). Every time this thread wakes it needs the GIL back, and while the agent's thread runs
+Python it rarely gets it: an agent that lets the GIL go only for a moment (the openai client's ``uuid4()``,
+an ``os.urandom``, per request) wakes it each time, and it loses the race each time, for many calls in a
+row: a futex round trip on two cores for both threads, per call. So it wakes as seldom as the window
+allows. With the window, after a batch the window closed on it waits one window for the next ops instead
+of sleeping until a first op wakes it (a steady stream: one wake a window, and a put notifies only a
+sleeping writer), and it does not linger after a batch; after a flush, a finish or a wait that found
+nothing it sleeps until told. Its SQLite store writes a running rollout's spans in one statement a batch
+(``sqlite/writes.py``): Python's sqlite3 lets the GIL go around every step of a statement.
+
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
 cannot bind) is not retried: it is split in halves, down to the ops that fail on their own, which go
@@ -69,6 +79,8 @@ class BackgroundWriter:
         self._window = window
         self._urgent = False  # the buffer holds an op that may not wait, or a flush marker
         self._since = 0.0  # when the buffer's oldest op was put (monotonic)
+        self._sleeping = False  # the writer waits to be told of an op (and only then is a first op's put a wake-up)
+        self._streaming = False  # the writer just wrote a batch of a window: it waits one window for the next
         self._quarantine = quarantine
         self._is_record_error = is_record_error or (lambda exc: False)
         self._linger = linger
@@ -110,7 +122,7 @@ class BackgroundWriter:
                                          or len(self._buf) >= self._linger_below):
                     self._urgent = True  # written at once, with everything before it
                     self._not_empty.notify()
-                elif first:
+                elif first and self._sleeping:  # else the writer is in a window's wait, or writing: it comes by
                     self._not_empty.notify()
 
     def put_many(self, ops: list[Any]) -> None:
@@ -175,14 +187,27 @@ class BackgroundWriter:
     def _run(self) -> None:
         while True:
             with self._lock:
+                streamed = False
                 while not self._buf and not self._closed:
                     if self._replay is not None and self._backlog():
                         # Idle with a backlog: wake up now and then to write it back.
                         if not self._not_empty.wait(self._replay_every) and not self._buf:
                             break
+                    elif self._streaming:
+                        # A window's batch was just written: wait one window for the next ops instead of being
+                        # woken by the first (module doc, "Waking"); what comes meanwhile waited less than one.
+                        self._streaming = False
+                        self._not_empty.wait(self._window)
+                        streamed = True
                     else:
-                        self._not_empty.wait()
-                while self._buf and not self._urgent and not self._closed and self._may_wait is not None:
+                        streamed = False  # an op that wakes this wait waits its window below
+                        self._sleeping = True
+                        try:
+                            self._not_empty.wait()
+                        finally:
+                            self._sleeping = False
+                while (self._buf and not streamed and not self._urgent and not self._closed
+                       and self._may_wait is not None):
                     # only ops that may wait: until the window closes, or an urgent op or a full batch comes
                     left = self._since + self._window - time.monotonic()
                     if left <= 0:
@@ -194,13 +219,16 @@ class BackgroundWriter:
                     batch = []
                 else:
                     batch, self._buf = self._buf, []
+                    # a batch its window closed on (no flush, no finish waiting for it): the stream goes on
+                    windowed = not self._urgent and self._may_wait is not None
                     self._urgent = False
                     self._not_full.notify_all()
             if not batch:
                 self._try_replay()
                 continue
             self._apply_with_retry(batch)
-            if len(batch) < self._linger_below and not self._closed:
+            self._streaming = windowed
+            if len(batch) < self._linger_below and not self._closed and self._may_wait is None:
                 # Small batches: wait a moment so that the next one is bigger and producers rarely
                 # have to wake this thread (a flush marker still goes through within a few ms).
                 time.sleep(self._linger)

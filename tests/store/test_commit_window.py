@@ -3,13 +3,18 @@ a rollout's end, a flush, a reward and an ingest never wait."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
 
+import pytest
+
 import lightning_rl as lrl
+from lightning_rl.records import Rollout, RolloutStatus, SpanRow
 from lightning_rl.store import SQLiteStore
 from lightning_rl.store.durable import COMMIT_WINDOW
+from lightning_rl.store.ops import TracedSpan
 from lightning_rl.store.writer import BackgroundWriter
 
 
@@ -126,4 +131,97 @@ def test_a_running_rollouts_spans_reach_the_file_on_their_own_and_a_finished_one
         assert spans() == 5  # the four tool spans and the rollout's own
     finally:
         reader.close()
+        store.close()
+
+
+def _wait_for(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_after_a_windowed_batch_the_next_ops_are_written_within_a_window_and_an_idle_writer_waits_again():
+    """The writer's stream (issue 57): after a batch its window closed on, it waits one window for the next ops
+    instead of being woken by the first; after a wait that found nothing it sleeps, and an op that wakes it
+    waits for company again."""
+    writer, batches = _writer(window=0.3)
+    try:
+        first = _Patient()
+        writer.put(first)
+        assert _wait_for(lambda: len(batches) == 1)
+        second = _Patient()  # put while the writer waits the window after its batch: written when it closes
+        writer.put(second)
+        assert _wait_for(lambda: len(batches) == 2)
+        assert batches[1] == [second]
+        time.sleep(0.8)  # the window after the second batch closes on nothing: the writer sleeps
+        third, fourth = _Patient(), _Patient()
+        writer.put(third)
+        writer.put(fourth)  # the third woke the writer, which waits a window for company: both go together
+        assert _wait_for(lambda: len(batches) == 3)
+        assert batches[2] == [third, fourth]
+    finally:
+        writer.close()
+
+
+def _voluntary_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split(":")[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads a thread's context switches in /proc")
+def test_after_a_flush_the_writer_sleeps_while_the_agent_runs():
+    """Reproduces issue 57's idle writer: after a flush the writer slept 2 ms and then waited for the GIL while
+    the agent's thread ran, and an agent that lets the GIL go for a moment (the openai client's os.urandom per
+    request) woke it each time without it ever getting the GIL: hundreds of wake-ups, CPU of both threads,
+    charged to untraced work. It must sleep until the next op instead."""
+    writer, batches = _writer(window=0.05)
+    try:
+        writer.put(_Patient())
+        assert writer.flush(10.0)
+        native_id = writer._thread.native_id
+        before = _voluntary_switches(native_id)
+        until = time.monotonic() + 0.3
+        while time.monotonic() < until:  # an agent's thread: Python work, and a moment without the GIL
+            sum(range(2000))
+            os.urandom(16)
+        assert _voluntary_switches(native_id) - before <= 1
+    finally:
+        writer.close()
+
+
+def _span_row(rollout_id: str, seq: int) -> SpanRow:
+    return SpanRow(rollout_id, seq, 1, seq + 1, None, "execute_tool t", "INTERNAL", 1, 2, "UNSET", None,
+                   {"gen_ai.operation.name": "execute_tool"}, ())
+
+
+@pytest.mark.parametrize("limit, rows, inserts", [(None, 53, 1), (999, 100, 3)])
+def test_a_running_rollouts_spans_go_in_one_statement_per_batch(tmp_path, limit, rows, inserts):
+    """Python's sqlite3 lets the GIL go around every step of a statement, and the writer waits to take it back
+    while the agent runs (issue 57): a batch of a running rollout's spans is one INSERT, its own transaction
+    (none begun around it), and past the library's bound-parameter limit (999 before SQLite 3.32) one INSERT per
+    chunk in one transaction. Every row is stored once (a statement's size is rounded up with copies of its last
+    row, which INSERT OR IGNORE skips)."""
+    store = SQLiteStore(tmp_path / "runs.db")
+    try:
+        store.start_rollout(Rollout(rollout_id="r1", name="agent", status=RolloutStatus.RUNNING, start_time=1.0))
+        assert store.flush(10.0)
+        if limit is not None:
+            store._wconn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
+        statements: list[str] = []
+        store._wconn.set_trace_callback(statements.append)
+        writer = store._writer
+        writer.put_many([TracedSpan(_span_row("r1", seq)) for seq in range(rows)])  # one batch
+        assert store.flush(10.0)
+        store._wconn.set_trace_callback(None)
+        spans = [s for s in statements if s.startswith("INSERT OR IGNORE INTO spans")]
+        assert len(spans) == inserts
+        assert any(s.startswith("BEGIN") for s in statements) == (inserts > 1)
+        with sqlite3.connect(tmp_path / "runs.db") as reader:
+            assert reader.execute("SELECT count(*), count(DISTINCT seq) FROM spans WHERE rollout_id = 'r1'").fetchone() \
+                == (rows, rows)
+    finally:
         store.close()

@@ -6,6 +6,7 @@ lock); the caller begins and commits the transaction.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -40,21 +41,40 @@ def _insert(table: str, columns: Sequence[str], rows: int = 1) -> str:
 INSERT_SPAN = _insert("spans", SPAN_COLUMNS)
 INSERT_ROLLOUT = _insert("rollouts", ROLLOUT_COLUMNS)
 INSERT_REWARD = _insert("rewards", REWARD_COLUMNS)
-# Rows per multi-row INSERT: 22 columns x 16 rows stays far below SQLite's bound-parameter limit.
-_CHUNK = 16
-_INSERT_SPANS_CHUNK = _insert("spans", SPAN_COLUMNS, _CHUNK)
+# Span rows go in one multi-row INSERT per batch (up to SPAN_ROWS_MOST rows a statement; past it, in chunks). Its
+# size is rounded up to a multiple of 8 rows, the last row repeated to fill it: the copies are skipped by INSERT OR
+# IGNORE (spans_rollout_seq), and there are at most 32 statement sizes, each prepared once by the connection's cache.
+SPAN_ROWS_STEP = 8
+SPAN_ROWS_MOST = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_spans_sql(rows: int) -> str:
+    return _insert("spans", SPAN_COLUMNS, rows)
+
+
 _TIMED_OUT = RolloutStatus.TIMED_OUT.value
 
 
-def _insert_spans(conn: sqlite3.Connection, rows: list[tuple]) -> None:
-    """Insert span rows with one multi-row statement per chunk. ``executemany`` steps once per row
-    and Python's sqlite3 releases the GIL around every step, which makes a writer thread fight the
-    agent's thread for the GIL row by row; one step per 16 rows avoids most of that."""
-    full = len(rows) - len(rows) % _CHUNK
-    for start in range(0, full, _CHUNK):
-        conn.execute(_INSERT_SPANS_CHUNK, [v for row in rows[start:start + _CHUNK] for v in row])
-    if full < len(rows):
-        conn.executemany(INSERT_SPAN, rows[full:])
+def span_rows_most(conn: sqlite3.Connection) -> int:
+    """Most span rows one INSERT may carry on ``conn``: ``SPAN_ROWS_MOST``, or fewer where the SQLite library
+    binds fewer parameters a statement (999 before 3.32), a multiple of ``SPAN_ROWS_STEP``."""
+    fit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(SPAN_COLUMNS)
+    return max(1, min(SPAN_ROWS_MOST, fit - fit % SPAN_ROWS_STEP if fit >= SPAN_ROWS_STEP else fit))
+
+
+def _insert_spans(conn: sqlite3.Connection, rows: list[tuple], most: int) -> None:
+    """Insert span rows with one statement per ``most`` rows. Python's sqlite3 releases the GIL around every
+    step and reset of a statement, and a writer thread that takes it back waits for the agent's thread to let
+    it go (issue 57: each round trip costs both threads a wake-up on another core): so one statement per
+    batch, not one per row (``executemany``) nor one per 16 rows."""
+    for start in range(0, len(rows), most):
+        chunk = rows[start:start + most]
+        size = min(most, -(-len(chunk) // SPAN_ROWS_STEP) * SPAN_ROWS_STEP)
+        params = [v for row in chunk for v in row]
+        if size > len(chunk):  # the last row again, skipped by INSERT OR IGNORE: a statement size already prepared
+            params.extend(chunk[-1] * (size - len(chunk)))
+        conn.execute(_insert_spans_sql(size), params)
 
 
 def apply_ops(conn: sqlite3.Connection, ops: Iterable[Op], sharer: PrefixSharer) -> list[str]:
@@ -67,12 +87,17 @@ def apply_ops(conn: sqlite3.Connection, ops: Iterable[Op], sharer: PrefixSharer)
     spans = [share(values) for values in batch.spans]
     rewards = [reward_values(r) for r in batch.rewards]
     finishes, expires, quarantined = batch.finishes, batch.expires, batch.notes
+    most = span_rows_most(conn)
+    if not (rollouts or rewards or finishes or expires or quarantined) and len(spans) <= most:
+        if spans:  # a running rollout's spans, the usual batch: one statement, which is its own transaction
+            _insert_spans(conn, spans, most)
+        return []
     conn.execute("BEGIN IMMEDIATE")
     try:
         if rollouts:
             conn.executemany(INSERT_ROLLOUT, rollouts)
         if spans:
-            _insert_spans(conn, spans)
+            _insert_spans(conn, spans, most)
         if rewards:
             conn.executemany(INSERT_REWARD, rewards)
         for op in finishes:
