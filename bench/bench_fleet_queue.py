@@ -94,7 +94,10 @@ def _fill(db: str, in_flight: int, spare: int) -> None:
     if db.startswith("postgresql"):
         import psycopg
 
-        from lightning_rl.store.postgres.store import parse_url
+        try:
+            from lightning_rl.store.postgres.store import parse_url
+        except ImportError:  # the baseline's tree (module doc): before the store moved to store/postgres/
+            from lightning_rl.store.postgres_store import parse_url
 
         conninfo, schema, _ = parse_url(db)
         with psycopg.connect(conninfo, options=f"-c search_path={schema}") as conn, conn.cursor() as cur:
@@ -109,12 +112,21 @@ def _fill(db: str, in_flight: int, spare: int) -> None:
             conn.executemany(f"INSERT INTO queue ({cols}) VALUES ({', '.join('?' * len(QUEUE_COLUMNS))})", rows)
 
 
+def _http_store() -> type:
+    """The HTTP store client, in either tree: the baseline's (module doc) is from before it moved to store/http/."""
+    try:
+        from lightning_rl.store.http.client import HttpStore
+    except ImportError:
+        from lightning_rl.store.http_store import HttpStore
+    return HttpStore
+
+
 def _worker(urls: list[str], index: int, seconds: float, start: float, out: mp.Queue) -> None:
     from lightning_rl.records import RolloutStatus
     from lightning_rl.store.uri import open_store
 
     if urls[0].startswith("http"):
-        from lightning_rl.store.http.client import HttpStore
+        HttpStore = _http_store()
 
         store = HttpStore(urls[index % len(urls):] + urls[:index % len(urls)], retry_for=60.0,
                           spill_dir=tempfile.mkdtemp(prefix="bench-queue-spill-"))
@@ -166,8 +178,9 @@ def _measure(urls: list[str], processes: int, seconds: float) -> dict:
 
 def _runner_figures(url: str, idle_seconds: float) -> dict:
     """An idle runner's lease requests a second (counted at the client), and enqueue to start of the try."""
-    from lightning_rl.store.http.client import HttpStore
     from lightning_rl.trainer_bridge.runner import Runner
+
+    HttpStore = _http_store()
 
     sent = [0]
     real = HttpStore._request
