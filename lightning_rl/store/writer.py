@@ -26,7 +26,11 @@ allows. With the window, after a batch the window closed on it waits one window 
 of sleeping until a first op wakes it (a steady stream: one wake a window, and a put notifies only a
 sleeping writer), and it does not linger after a batch; after a flush, a finish or a wait that found
 nothing it sleeps until told. Its SQLite store writes a running rollout's spans in one statement a batch
-(``sqlite/writes.py``): Python's sqlite3 lets the GIL go around every step of a statement.
+(``sqlite/writes.py``): Python's sqlite3 lets the GIL go around every step of a statement. And a put that finds
+its buffer's window closed more than ``HAND_OVER_AFTER`` ago with the batch not taken (the writer is waiting for
+the GIL) waits for the writer to write it, letting the GIL go: one window at most, and not again until the
+writer has written (a store that cannot be written is not waited on); counted as ``writer_hand_overs``. So a
+running rollout's spans reach the store within about a window even from an agent that never waits.
 
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
@@ -43,6 +47,9 @@ from typing import Any
 
 from ..diagnostics import count, report_failure
 from ..errors import StoreClosedError
+
+#: Seconds past its window after which a due batch the writer has not taken is handed over (module doc, "Waking").
+HAND_OVER_AFTER = 0.005
 
 
 class _Marker:
@@ -96,6 +103,10 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
+        self._wrote = threading.Condition(self._lock)  # a batch was written (hand-overs wait for it)
+        self._taken = 0  # batches the writer took
+        self._written = 0  # batches it wrote (or spilled)
+        self._stuck_at = -1  # ``_written`` when a hand-over timed out: none again until it moves
         self._buf: list[Any] = []  # ops, and flush markers
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -124,6 +135,20 @@ class BackgroundWriter:
                     self._not_empty.notify()
                 elif first and self._sleeping:  # else the writer is in a window's wait, or writing: it comes by
                     self._not_empty.notify()
+                elif (not first and time.monotonic() - self._since > self._window + HAND_OVER_AFTER
+                      and self._written != self._stuck_at and threading.current_thread() is not self._thread):
+                    self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The buffer's window closed and the writer has not come for it: it waits for the GIL, which it may not
+        get while this thread runs Python (module doc, "Waking"). This thread lets it go until the writer has
+        written the batch, for one window at most (a store that cannot be written is not waited on again until
+        it writes). Called with the lock held."""
+        target = self._taken + 1
+        count("writer_hand_overs")
+        self._not_empty.notify()
+        if not self._wrote.wait_for(lambda: self._written >= target or self._closed, self._window):
+            self._stuck_at = self._written
 
     def put_many(self, ops: list[Any]) -> None:
         """Queue ``ops`` together (one wait for room: a batch may overshoot ``maxsize`` once)."""
@@ -177,6 +202,7 @@ class BackgroundWriter:
             self._closed = True
             self._not_empty.notify_all()
             self._not_full.notify_all()
+            self._wrote.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -222,12 +248,17 @@ class BackgroundWriter:
                     # a batch its window closed on (no flush, no finish waiting for it): the stream goes on
                     windowed = not self._urgent and self._may_wait is not None
                     self._urgent = False
+                    self._taken += 1
                     self._not_full.notify_all()
             if not batch:
                 self._try_replay()
                 continue
             self._apply_with_retry(batch)
             self._streaming = windowed
+            if self._may_wait is not None:
+                with self._lock:
+                    self._written += 1
+                    self._wrote.notify_all()
             if len(batch) < self._linger_below and not self._closed and self._may_wait is None:
                 # Small batches: wait a moment so that the next one is bigger and producers rarely
                 # have to wake this thread (a flush marker still goes through within a few ms).

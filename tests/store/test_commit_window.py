@@ -225,3 +225,54 @@ def test_a_running_rollouts_spans_go_in_one_statement_per_batch(tmp_path, limit,
                 == (rows, rows)
     finally:
         store.close()
+
+
+def test_a_due_batch_the_writer_does_not_come_for_is_handed_over_and_a_stuck_writer_is_not_waited_on_again():
+    """While the agent's thread runs Python the writer may not get the GIL at all (issue 57: its timer fires, and
+    it loses the race for the GIL call after call), so a put that finds its buffer's window closed and the batch
+    not taken waits for the writer to write it (letting the GIL go), one window at most; a writer that does not
+    write in that time (a store that cannot be written) is not waited on again until it writes."""
+    from lightning_rl import diagnostics
+
+    gates = [threading.Event(), threading.Event()]
+    entered = [threading.Event(), threading.Event()]
+    batches: list[list] = []
+
+    def apply(ops: list) -> None:
+        stuck = len(batches) < 2 and not gates[len(batches)].is_set()
+        if stuck:
+            entered[len(batches)].set()
+            gates[len(batches)].wait(30)
+        batches.append(list(ops))
+
+    def hand_overs() -> int:
+        return diagnostics.counters().get("writer_hand_overs", 0) - before
+
+    window = 0.2
+    writer = BackgroundWriter(apply, window=window, may_wait=lambda op: type(op) is _Patient)
+    before = diagnostics.counters().get("writer_hand_overs", 0)
+    try:
+        writer.put(_Patient())
+        assert entered[0].wait(10)  # the first batch is being written, and stays stuck
+        writer.put(_Patient())
+        time.sleep(window + 0.05)  # the next buffer's window closes while the writer is stuck
+        started = time.monotonic()
+        writer.put(_Patient())  # hands over: waits one window for the stuck writer, then goes on
+        assert window * 0.9 <= time.monotonic() - started < 5.0
+        for _ in range(20):
+            writer.put(_Patient())  # the writer has not written since: not waited on again
+        assert hand_overs() == 1
+        gates[0].set()  # the store writes again
+        assert _wait_for(lambda: len(batches) >= 1)
+        late = _Patient()
+        assert _wait_for(lambda: entered[1].is_set())  # the second batch (the rest) is being written, slowly
+        writer.put(late)
+        time.sleep(window + 0.05)  # its window closes while the writer is busy
+        threading.Timer(0.05, gates[1].set).start()  # the write ends within the hand-over's window
+        writer.put(_Patient())
+        assert hand_overs() == 2
+        assert any(late in batch for batch in batches)  # written by the time the hand-over returned
+    finally:
+        for gate in gates:
+            gate.set()
+        writer.close()
