@@ -45,6 +45,9 @@ _SAMPLING_KEYS = (
     "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
 )
 _GUIDED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_SAMPLING_ORDER = {key: i for i, key in enumerate(_SAMPLING_KEYS)}
+#: What may make a request guided (``guided_decoding``): most requests have none of these keys.
+_MAY_GUIDE = frozenset((*_GUIDED_KEYS, "response_format", "tool_choice"))
 
 
 def guided_decoding(request: dict[str, Any]) -> str | None:
@@ -52,6 +55,8 @@ def guided_decoding(request: dict[str, Any]) -> str | None:
     engine's log-probs of a grammar-masked sample are of the masked distribution, which a trainer does not
     compute (docs/verl.md). A schema or JSON ``response_format``, vLLM's ``structured_outputs``/``guided_*``, and a
     ``tool_choice`` that forces a call (``required`` or a named function: vLLM enforces it with a grammar)."""
+    if _MAY_GUIDE.isdisjoint(request):
+        return None
     for key in _GUIDED_KEYS:
         if request.get(key):
             return key
@@ -71,23 +76,26 @@ _NUMERIC_REQUEST_ATTRIBUTES = (
 )
 
 
-@contextlib.contextmanager
-def gc_paused() -> Any:
+class gc_paused:  # noqa: N801  (used as a function: ``with gc_paused():``)
     """The cyclic garbage collector held off while a whole answer is parsed and read (issue 57). Parsing a
     4,000+1,000-token answer with log-probs makes some 3,000 dicts and lists, which set off several collections of
     the young generation and, every few dozen answers, one of the whole heap: in a process with the openai client
     imported, ``orjson.loads`` of that answer took 1.4 ms with the collector on and 0.39 ms with it off. Nothing
     it makes is a cycle, and what is dropped before the block ends is freed by reference counting and never
     counted. The collector is turned back on only if it was on; one turned off meanwhile on another thread is
-    turned on again here (the collector's switch is the process's, and it has no owner)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+    turned on again here (the collector's switch is the process's, and it has no owner). A class, not a
+    generator: it runs on every answer."""
+
+    __slots__ = ("_was_on",)
+
+    def __enter__(self) -> None:
+        self._was_on = gc.isenabled()
+        if self._was_on:
+            gc.disable()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._was_on:
+            gc.enable()
 
 
 def _attribute(obj: Any, name: str) -> Any:
@@ -209,7 +217,9 @@ class CapturedCall:
             attributes[semconv.GEN_AI_REQUEST_MODEL] = str(self.model)
         if self.agent is not None:
             attributes[semconv.GEN_AI_AGENT_NAME] = self.agent
-        sampling = {k: v for k in _SAMPLING_KEYS if (v := request.get(k)) is not None}
+        present = _SAMPLING_ORDER.keys() & request.keys()
+        sampling = {k: request[k] for k in sorted(present, key=_SAMPLING_ORDER.__getitem__)
+                    if request[k] is not None} if present else {}
         guided = guided_decoding(request)
         if guided:
             sampling["guided"] = guided
@@ -445,7 +455,7 @@ class CapturedCall:
             if version_end != self.version:  # a publish landed while the call ran
                 common[semconv.POLICY_VERSION_END] = version_end
             indices = sorted(self.choices) or [0]
-            first = self.choices.get(indices[0], _Choice())
+            first = self.choices.get(indices[0]) or _Choice()
             span = self.span
             if error is None or self.choices:
                 attrs, tokens = self._choice_attributes(first)

@@ -34,6 +34,7 @@ KIND_NAMES = {kind: kind.name for kind in SpanKind}  # Enum.name is a slow descr
 STATUS_NAMES = {code: code.name for code in StatusCode}
 _UNSET = Status(StatusCode.UNSET)
 _SCALARS = (str, bool, int, float)
+_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def _kind(value: Any) -> type | None:
@@ -113,6 +114,9 @@ class RecordSpan(otel_trace.Span):
         if self.end_time is not None:
             return
         own = self.attributes
+        if _SCALAR_TYPES.issuperset(map(type, attributes.values())):  # the usual case: one check for them all
+            own.update(attributes)
+            return
         for key, value in attributes.items():
             if type(value) in _SCALARS:
                 own[key] = value
@@ -197,7 +201,9 @@ class RecordTracer(otel_trace.Tracer):
             else:
                 trace_id, parent_id, trace_state = self._ids(128), None, None
         own: dict[str, Any] = {}
-        if attributes:
+        if attributes and _SCALAR_TYPES.issuperset(map(type, attributes.values())):  # the usual case: one check
+            own.update(attributes)
+        elif attributes:
             for key, value in attributes.items():
                 if type(value) in _SCALARS:
                     own[key] = value
