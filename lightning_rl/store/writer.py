@@ -216,8 +216,13 @@ class BackgroundWriter:
                 streamed = False
                 while not self._buf and not self._closed:
                     if self._replay is not None and self._backlog():
-                        # Idle with a backlog: wake up now and then to write it back.
-                        if not self._not_empty.wait(self._replay_every) and not self._buf:
+                        # Idle with a backlog: wake up now and then to write it back (and when told of an op).
+                        streamed, self._sleeping = False, True
+                        try:
+                            woken = self._not_empty.wait(self._replay_every)
+                        finally:
+                            self._sleeping = False
+                        if not woken and not self._buf:
                             break
                     elif self._streaming:
                         # A window's batch was just written: wait one window for the next ops instead of being
