@@ -4,7 +4,10 @@ tries in flight and 8 / 64 leasing processes, the requests an idle runner sends 
 an enqueue to a waiting runner starting the try; this code against the queue before issue 44, in one run.
 
 "In flight" = leased and not completed (half, held by a runner that never completes them) plus queued
-(the other half); the leasing processes take and complete tries from the queued half. Three stores:
+(the other half), and behind them a spare queue for the run, ``--spare-per-s`` (10,000) tries a second
+times the seconds, recorded as the row's ``spare``; the leasing processes take and complete tries from
+the queued ones. A queue that runs dry anyway is reported (``ran_dry_after_s``, a warning), never timed
+as empty leases. Three stores:
 a SQLite file opened by every process; one ``lightning-rl store serve`` over SQLite; two store servers
 over one PostgreSQL database (a throwaway cluster, fsync on: ``_postgres.py``), each process given both.
 
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 STORES = ("sqlite", "1 server (sqlite)", "2 servers (postgres)")
+SPARE_PER_S = 10_000  # tries a second the spare queue is sized for, at least (``--spare-per-s``)
 
 
 # -- the driver: runs in one tree (this one or the baseline's), prints a JSON line -------------------------
@@ -134,7 +138,8 @@ def _worker(urls: list[str], index: int, seconds: float, start: float, out: mp.Q
         store = open_store(urls[0])
     runner = f"bench-{index}"
     lease_ms: list[float] = []
-    done = 0
+    done = leased = 0
+    dry_at: float | None = None
     errors: list[str] = []
     try:
         store.heartbeat("warm-up", runner)  # connections made before the clock starts
@@ -147,6 +152,10 @@ def _worker(urls: list[str], index: int, seconds: float, start: float, out: mp.Q
         try:
             got = store.lease(runner, lease_seconds=600, limit=1)
             lease_ms.append((time.perf_counter() - t0) * 1e3)
+            if not got:  # the spare queue is spent: what follows would time empty leases
+                dry_at = time.time() - start
+                break
+            leased += len(got)
             for entry in got:
                 done += store.complete(entry.queue_id, runner, RolloutStatus.SUCCEEDED)
         except Exception as exc:  # the old queue at 100,000 in flight: "database is locked" after 30 s
@@ -154,7 +163,7 @@ def _worker(urls: list[str], index: int, seconds: float, start: float, out: mp.Q
     try:
         store.close()
     finally:
-        out.put((lease_ms, done, errors))
+        out.put((lease_ms, done, errors, leased, dry_at))
 
 
 def _measure(urls: list[str], processes: int, seconds: float) -> dict:
@@ -170,7 +179,10 @@ def _measure(urls: list[str], processes: int, seconds: float) -> dict:
     lease_ms = sorted(ms for r in results for ms in r[0])
     done = sum(r[1] for r in results)
     errors = [e for r in results for e in r[2]]
-    return {"leases": len(lease_ms), "completed": done, "per_s": done / seconds, "errors": len(errors),
+    dry = [r[4] for r in results if r[4] is not None]
+    return {"leases": len(lease_ms), "leased": sum(r[3] for r in results), "completed": done,
+            "per_s": done / seconds, "errors": len(errors),
+            "ran_dry_after_s": min(dry) if dry else None,  # then per_s is a lower bound (main warns)
             "first_error": errors[0] if errors else None,
             "p50_ms": statistics.median(lease_ms) if lease_ms else None,
             "p99_ms": lease_ms[min(len(lease_ms) - 1, int(len(lease_ms) * 0.99))] if lease_ms else None}
@@ -221,7 +233,8 @@ def driver(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     for config in plan["configs"]:
         store, in_flight, processes = config["store"], config["in_flight"], config["processes"]
-        spare = int(processes * plan["seconds"] * 400) + 1000
+        # 2 processes on one SQLite file took ~2,800 tries a second on this 2-core machine (2026-11-29)
+        spare = int(plan["seconds"] * plan["spare_per_s"])
         servers: list[subprocess.Popen] = []
         if store == "sqlite":
             db = f"sqlite:///{work / uuid.uuid4().hex}.db"
@@ -238,7 +251,7 @@ def driver(args: argparse.Namespace) -> None:
             started = [_serve(db) for _ in range(2)]
             servers, urls = [p for p, _ in started], [u for _, u in started]
         try:
-            row = dict(config, **_measure(urls, processes, plan["seconds"]))
+            row = dict(config, spare=spare, **_measure(urls, processes, plan["seconds"]))
             if config.get("runner"):  # an idle runner on a store of its own, with an empty queue
                 empty = config.get("runner_pg_url") or str(work / f"{uuid.uuid4().hex}.db")
                 proc, url = _serve(empty)
@@ -289,6 +302,8 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="a smoke run in seconds: small, this tree, SQLite only")
+    parser.add_argument("--spare-per-s", type=int, default=SPARE_PER_S,
+                        help="size the queued spare for this many tries a second in all, at least")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -324,7 +339,7 @@ def main() -> None:
         plans = [(ROOT, [c for _, configs in plans for c in configs])]
     for tree, configs in plans:
         rows.extend(_run_driver(tree, {"configs": configs, "seconds": args.seconds,
-                                       "idle_seconds": args.idle_seconds}))
+                                       "idle_seconds": args.idle_seconds, "spare_per_s": args.spare_per_s}))
     print(f"\n{'store':22} {'code':4} {'procs':>5} {'in flight':>9} {'lease p50':>10} {'lease p99':>10} "
           f"{'tries/s':>8} {'idle req/s':>10} {'enq->start':>10}")
     for r in rows:
@@ -332,6 +347,11 @@ def main() -> None:
         lat = f"{r['enqueue_to_start_ms']:.0f} ms" if "enqueue_to_start_ms" in r else ""
         print(f"{r['store']:22} {r['code']:4} {r['processes']:5} {r['in_flight']:9} {r['p50_ms'] or 0:8.1f}ms "
               f"{r['p99_ms'] or 0:8.1f}ms {r['per_s']:8.0f} {idle:>10} {lat:>10}")
+    for r in rows:
+        if r["ran_dry_after_s"] is not None:
+            print(f"WARNING: {r['store']}, {r['code']}, {r['processes']} processes, {r['in_flight']:,} in flight: "
+                  f"the queue ran dry {r['ran_dry_after_s']:.2f} s into the {args.seconds} s run, so its tries/s is a "
+                  f"lower bound; raise --spare-per-s above {r['per_s']:.0f}", file=sys.stderr)
     ratios = {}
     for store in stores:
         for processes in counts:

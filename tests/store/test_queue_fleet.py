@@ -241,7 +241,29 @@ def test_the_fleet_queue_benchmark_runs_quick_and_reports_its_figures(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert {r["store"] for r in rows} == {"sqlite", "1 server (sqlite)"}
-    assert all(r["completed"] > 0 and r["completed"] == r["leases"] for r in rows)  # every lease got a try
+    assert all(r["completed"] > 0 and r["completed"] == r["leased"] == r["leases"] for r in rows), rows
+    assert all(r["errors"] == 0 and r["ran_dry_after_s"] is None and r["spare"] == 5000 for r in rows), rows
     (runner,) = [r for r in rows if "idle_requests_per_s" in r]
     assert runner["enqueue_to_start_ms"] > 0
     assert set(result["p50_ratio_largest_to_smallest"]) == {"sqlite, 2 procs, new", "1 server (sqlite), 2 procs, new"}
+
+
+def test_a_fleet_queue_bench_whose_queue_runs_dry_says_so_and_times_no_empty_leases(tmp_path):
+    """CI, a fast machine: the quick run's spare queue (then 1,400 tries) ran out, and the empty leases
+    after it were timed and counted as leases that got no try."""
+    out = tmp_path / "bench.json"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_fleet_queue.py"), "--quick",
+                           "--spare-per-s", "0", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    small = [r for r in rows if r["in_flight"] == 200]  # 100 queued, no spare: 2 processes empty it at once
+    assert len(small) == 2 and all(r["spare"] == 0 for r in small)
+    for r in small:
+        assert r["leased"] == r["completed"] == 100, r
+        assert r["leases"] == r["leased"] + 2, r  # one empty lease a process, then it stops
+        assert 0 <= r["ran_dry_after_s"] < 0.5, r
+        assert f"{r['store']}, new, 2 processes, 200 in flight: the queue ran dry" in done.stderr
