@@ -67,6 +67,7 @@ class PolicyVersions:
         # the store's latest publish of each name: (version, time, served_as: its versioned name or None)
         self._published: dict[str, tuple[int, float, str | None]] = {}
         self._published_at = float("-inf")
+        self._reader: tuple[object, bool] = (None, False)  # the sink last looked at, and whether it is a reader
 
     def set(self, version: int, model: str | None = None, *, served_as: str | None = None) -> None:
         """``model`` answers with ``version`` from now on in this process; ``served_as``: the versioned name
@@ -124,12 +125,19 @@ class PolicyVersions:
         return canary
 
     def _store_versions(self) -> dict[str, tuple[int, float, str | None]]:
-        """The store's publishes, refreshed in the background (module doc)."""
-        if time.monotonic() - self._published_at < self._settings.policy_refresh:
+        """The store's publishes, refreshed in the background (module doc). A read is asked for at most once
+        an interval, whether the last one came back or not: a read in flight (a reading thread that waits for
+        the GIL the agent holds, or for a locked store) is not looked at again by every call meanwhile."""
+        now = time.monotonic()
+        first = self._published_at
+        if now - first < self._settings.policy_refresh:
             return self._published
+        self._published_at = now  # asked: the next look is an interval from now
         sink = self._get_sink()
-        if not isinstance(sink, PolicyLogReader):  # a sink with no policy log: asked again after the interval
-            self._published_at = time.monotonic()  # (a Protocol isinstance costs microseconds: not per call)
+        known = self._reader
+        if known[0] is not sink:  # a Protocol isinstance costs microseconds: once a sink, not once an interval
+            known = self._reader = (sink, isinstance(sink, PolicyLogReader))
+        if not known[1]:  # a sink with no policy log
             return self._published
         try:  # called as a rollout or an LLM call starts: it must never raise into the agent
             with self._lock:
@@ -138,15 +146,13 @@ class PolicyVersions:
                     thread = self._refreshing = threading.Thread(
                         target=self._refresh, args=(sink,), name="lightning-rl-policy-versions", daemon=True)
                     thread.start()
-            if self._published_at == float("-inf"):
+            if first == float("-inf"):  # only the first read of a process (or of a store) waits
                 thread.join(0.5)
-        except Exception as exc:
-            self._published_at = time.monotonic()  # try again after the refresh interval
+        except Exception as exc:  # tried again after the refresh interval
             report_failure("reading published policy versions", exc)
         return self._published
 
     def _refresh(self, log: PolicyLogReader) -> None:
-        asked = time.monotonic()
         try:
             self._published = {name: (p.version, p.time, getattr(p, "served_as", None))
                                for name, p in log.latest_policies().items()}
@@ -156,4 +162,3 @@ class PolicyVersions:
             self._canaries = canaries_from(log.latest_decisions())
         except Exception as exc:
             report_failure("reading the canaries in progress", exc)
-        self._published_at = asked

@@ -140,3 +140,51 @@ def test_the_versions_read_every_store_through_one_named_protocol_and_nothing_el
     assert not isinstance(sink, PolicyLogReader)
     time.sleep(0.05)
     assert diagnostics.counters().get("reading published policy versions", 0) == failed  # never asked: nothing failed
+
+
+def test_only_the_first_read_of_a_process_waits_and_a_read_in_flight_is_not_asked_again():
+    """A read of the store's publishes that hangs (a locked or far store) holds up the first call that asks,
+    for half a second at most, and no other call: before, every call waited half a second while the first
+    read was in flight, and every call after an interval re-checked the sink's protocol (microseconds) and
+    the reading thread until the read came back."""
+    import threading
+
+    from lightning_rl.settings import Settings
+    from lightning_rl.tracer.versions import PolicyVersions
+
+    release, asked, checked = threading.Event(), [], []
+
+    class SlowLog:
+        def write_span(self, row):
+            pass
+
+        def latest_policies(self):
+            asked.append(time.monotonic())
+            release.wait(10)
+            return {}
+
+        def latest_decisions(self):
+            return {}
+
+    sink = SlowLog()
+
+    def get_sink():
+        checked.append(1)
+        return sink
+
+    settings = Settings.from_env()
+    settings.policy_refresh = 60.0
+    versions = PolicyVersions(settings, get_sink)
+    versions.set(3, "policy")
+    try:
+        t0 = time.monotonic()
+        assert versions.version("policy") == 3
+        first = time.monotonic() - t0
+        assert 0.4 < first < 2.0, first  # the first read waited its half second, then the local version
+        t0 = time.monotonic()
+        for _ in range(200):
+            assert versions.version("policy") == 3 and versions.served_as("policy") is None
+        assert time.monotonic() - t0 < 0.2  # no call waits on the read in flight
+        assert len(asked) == 1 and len(checked) == 1  # one read, one look at the sink, within the interval
+    finally:
+        release.set()
