@@ -47,9 +47,10 @@ class DurableWrites:
     def __init__(self, *, where: str, doctor: str, folder: Path,
                  apply: Callable[[list[Op], PrefixSharer], Iterable[str]], keep_aside: Callable[[Quarantine], bool],
                  is_record_error: Callable[[BaseException], bool], queue_size: int, give_up_after: float,
-                 name: str) -> None:
+                 name: str, apply_here: Callable[[list[Op], PrefixSharer], Iterable[str]] | None = None) -> None:
         self.where, self.doctor = where, doctor
         self._apply_batch, self._keep_aside = apply, keep_aside
+        self._apply_here = apply_here
         self.sharer = PrefixSharer()  # the writer thread's: prompts and messages stored as prefix + tail
         self.spills = SpillFiles(folder)
         self._erased: set[str] = set()  # erased rollouts the sharer has yet to forget
@@ -58,7 +59,8 @@ class DurableWrites:
         self.writer = BackgroundWriter(
             self._apply, maxsize=queue_size, name=name, spill=self._spill, replay=self._replay,
             backlog=lambda: bool(self.spills.files), give_up_after=give_up_after, quarantine=self._quarantine,
-            is_record_error=is_record_error, window=COMMIT_WINDOW, may_wait=_running_rollouts_span)
+            is_record_error=is_record_error, window=COMMIT_WINDOW, may_wait=_running_rollouts_span,
+            write_here=None if apply_here is None else self._write_here)
         if self.spills.files:
             self.writer.flush(0)  # wakes the writer, which writes the backlog back first
 
@@ -84,15 +86,20 @@ class DurableWrites:
                 report_failure("spill replay", exc)
         release_folder(self.spills.folder)
 
-    # -- the writer thread ------------------------------------------------------------------------
-    def _apply(self, ops: list[Op]) -> None:
+    # -- the writer thread (and a putting thread's write of a due window, ``writer.py`` "Writing here") --------
+    def _apply(self, ops: list[Op], apply: Callable[[list[Op], PrefixSharer], Iterable[str]] | None = None) -> None:
         if self._erased:
             with self._erased_lock:
                 erased, self._erased = self._erased, set()
             for rollout_id in erased:
                 self.sharer.forget(rollout_id)
-        for rollout_id in self._apply_batch(ops, self.sharer):
+        for rollout_id in (apply or self._apply_batch)(ops, self.sharer):
             self.sharer.forget(rollout_id)
+
+    def _write_here(self, ops: list[Op]) -> None:
+        """A running rollouts' spans, written on the thread that put the last of them: never waits for the database
+        (``apply_here``); raises where it would, and the writer writes them."""
+        self._apply(ops, self._apply_here)
 
     def _spill(self, ops: list[Op]) -> None:
         lines = []

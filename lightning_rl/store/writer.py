@@ -32,6 +32,30 @@ the GIL) waits for the writer to write it, letting the GIL go: one window at mos
 writer has written (a store that cannot be written is not waited on); counted as ``writer_hand_overs``. So a
 running rollout's spans reach the store within about a window even from an agent that never waits.
 
+Writing here (issue 57, ``write_here``: the SQLite store). Even one wake a window costs: the writer runs its
+Python on the other core, so the interpreter's shared state (reference counts of common objects, the
+allocator's pools) moves between the cores' caches, and the agent's thread pays for it too. Measured in one
+process at 40+4 (the same calls with the store and with a sink that drops every span, paired, three runs
+each, 2026-11-29): with letting in (below) and every batch written by the writer, the durable row cost 63-88
+us a call; written on the agent's thread, 45-62. So a put that finds its buffer's window about to close
+(``HAND_OVER_AFTER`` before it; spans only: no flush, no finish, no ingest waiting) while the writer is not
+writing takes the batch and writes it itself, on its own thread, with ``write_here``: a write that never
+waits (its store refuses it at once where the database is locked). If that raises, the batch goes back to
+the front of the queue for the writer, which writes it as any other (retries, spill, quarantine), and no
+put writes here again until the writer has written a batch. The writer does not take a batch while one is
+written here, and takes a window's batch itself when the window closes, as before: so spans reach the store
+within a window when the puts stop, and in a stream a putting thread, which comes by more often than that,
+takes it first.
+
+Letting in (issue 57). The writer still comes out of its waits on its timer (a window after the first op,
+the backstop for an agent that stops putting), and then it needs the GIL: while the agent's thread runs
+Python and lets it go only for a moment, the waiting thread is woken at each such moment and loses the race
+each time (CPython asks the holder to drop it only after a whole switch interval with no switch at all), one
+futex round trip on both threads per put: 978 voluntary switches of the writer for 1,000 calls at 40+4,
+16 us a call. A put that finds the writer ``HAND_OVER_AFTER`` past when it was due out of its wait and not
+out yet waits until it is (letting the GIL go), one window at most, and not again until it comes out
+(``writer_let_in``): 139 switches, 6 us.
+
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
 cannot bind) is not retried: it is split in halves, down to the ops that fail on their own, which go
@@ -79,8 +103,19 @@ class BackgroundWriter:
         is_record_error: Callable[[BaseException], bool] | None = None,
         window: float = 0.0,
         may_wait: Callable[[Any], bool] | None = None,
+        write_here: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self._apply = apply
+        # A due window's batch written on the putting thread (module doc, "Writing here"); with the window only.
+        self._write_here = write_here if window > 0 else None
+        self._here = False  # a batch is being written on a putting thread
+        self._waits_here = False  # the writer waits for it
+        self._here_stuck_at = -1  # ``_written`` when a write here failed: none again until it moves
+        # a putting thread may take a window's batch this long before the writer would ("Writing here")
+        self._early = HAND_OVER_AFTER if self._write_here is not None else 0.0
+        self._wake_at = float("inf")  # when the writer is due out of its wait (module doc, "Letting in")
+        self._check_ins = 0  # the writer's returns from its waits
+        self._stuck_check_in = -1  # ``_check_ins`` when a letting-in timed out: none again until it moves
         # The commit window (module doc): ops ``may_wait`` accepts wait up to ``window`` s for company.
         self._may_wait = may_wait if window > 0 else None
         self._window = window
@@ -104,6 +139,7 @@ class BackgroundWriter:
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
         self._wrote = threading.Condition(self._lock)  # a batch was written (hand-overs wait for it)
+        self._checked = threading.Condition(self._lock)  # the writer is out of a wait (letting in waits for it)
         self._taken = 0  # batches the writer took
         self._written = 0  # batches it wrote (or spilled)
         self._stuck_at = -1  # ``_written`` when a hand-over timed out: none again until it moves
@@ -113,6 +149,7 @@ class BackgroundWriter:
         self._thread.start()
 
     def put(self, op: Any) -> None:
+        batch = None
         with self._lock:
             if len(self._buf) >= self._maxsize:
                 count("writer_backpressure_waits")
@@ -127,17 +164,84 @@ class BackgroundWriter:
                     self._not_empty.notify()
             else:
                 first = len(self._buf) == 1
+                now = time.monotonic()
                 if first:  # the window opens
-                    self._since = time.monotonic()
+                    self._since = now
                 if not self._urgent and (type(op) is _Marker or not may_wait(op)
                                          or len(self._buf) >= self._linger_below):
                     self._urgent = True  # written at once, with everything before it
-                    self._not_empty.notify()
+                    self._call_writer(now)
                 elif first and self._sleeping:  # else the writer is in a window's wait, or writing: it comes by
-                    self._not_empty.notify()
-                elif (not first and time.monotonic() - self._since > self._window + HAND_OVER_AFTER
-                      and self._written != self._stuck_at and threading.current_thread() is not self._thread):
-                    self._hand_over()
+                    self._call_writer(now)
+                elif not first and threading.current_thread() is not self._thread:
+                    late = now - self._since - self._window
+                    if (late >= -self._early and self._write_here is not None and not self._here and not self._urgent
+                            and self._taken == self._written and self._written != self._here_stuck_at
+                            and not self._backlog()):
+                        batch, self._buf = self._buf, []
+                        self._here, self._taken = True, self._taken + 1
+                        self._not_full.notify_all()
+                    elif late > HAND_OVER_AFTER and self._written != self._stuck_at:
+                        self._hand_over()
+                if (batch is None and self._write_here is not None and now - self._wake_at > HAND_OVER_AFTER
+                        and self._check_ins != self._stuck_check_in and threading.current_thread() is not self._thread):
+                    self._let_in()
+        if batch is not None:
+            self._written_here(batch)
+
+    def _call_writer(self, now: float) -> None:
+        """Wake the writer (lock held): it is due out of its wait now."""
+        self._wake_at = min(self._wake_at, now)
+        self._not_empty.notify()
+
+    def _wait(self, cond: threading.Condition, timeout: float | None = None) -> bool:
+        """The writer's wait (lock held), with when it is due out of it, for letting in (module doc)."""
+        self._wake_at = float("inf") if timeout is None else time.monotonic() + timeout
+        try:
+            return cond.wait(timeout)
+        finally:
+            self._wake_at = float("inf")
+            self._check_ins += 1
+            self._checked.notify_all()
+
+    def _let_in(self) -> None:
+        """The writer is due out of its wait and has not come out: it waits for the GIL, which it may not get
+        while this thread runs Python (module doc, "Letting in"). This thread lets it go until the writer is out,
+        for one window at most (and not again until it comes out). Called with the lock held."""
+        target = self._check_ins + 1
+        count("writer_let_in")
+        if not self._checked.wait_for(lambda: self._check_ins >= target or self._closed, self._window):
+            self._stuck_check_in = self._check_ins
+
+    def _written_here(self, batch: list[Any]) -> None:
+        """Write a due window's batch on this (putting) thread (module doc, "Writing here"); if that raises, the
+        batch goes back to the front of the queue for the writer."""
+        failed = True
+        try:
+            self._write_here(batch)  # type: ignore[misc]
+            failed = False
+        except Exception:  # never into the agent: the writer writes it (retries, spill, quarantine)
+            pass
+        finally:  # (an interrupt too: the batch goes back, and the writer is not left waiting for it)
+            self._after_here(batch, failed)
+
+    def _after_here(self, batch: list[Any], failed: bool) -> None:
+        with self._lock:
+            self._here = False
+            now = time.monotonic()
+            if failed:
+                count("writes_here_given_back")
+                self._buf[:0] = batch
+                self._taken -= 1
+                self._here_stuck_at = self._written
+                self._urgent = True  # the writer writes it at once, with what came meanwhile
+                self._call_writer(now)
+            else:
+                count("writes_here")
+                self._written += 1
+            if self._waits_here:
+                self._wake_at = min(self._wake_at, now)
+            self._wrote.notify_all()
 
     def _hand_over(self) -> None:
         """The buffer's window closed and the writer has not come for it: it waits for the GIL, which it may not
@@ -219,7 +323,7 @@ class BackgroundWriter:
                         # Idle with a backlog: wake up now and then to write it back (and when told of an op).
                         streamed, self._sleeping = False, True
                         try:
-                            woken = self._not_empty.wait(self._replay_every)
+                            woken = self._wait(self._not_empty, self._replay_every)
                         finally:
                             self._sleeping = False
                         if not woken and not self._buf:
@@ -228,13 +332,14 @@ class BackgroundWriter:
                         # A window's batch was just written: wait one window for the next ops instead of being
                         # woken by the first (module doc, "Waking"); what comes meanwhile waited less than one.
                         self._streaming = False
-                        self._not_empty.wait(self._window)
-                        streamed = True
+                        self._wait(self._not_empty, self._window)
+                        # (with writes here, what came still waits its window, for a putting thread to take it)
+                        streamed = self._write_here is None
                     else:
                         streamed = False  # an op that wakes this wait waits its window below
                         self._sleeping = True
                         try:
-                            self._not_empty.wait()
+                            self._wait(self._not_empty)
                         finally:
                             self._sleeping = False
                 while (self._buf and not streamed and not self._urgent and not self._closed
@@ -243,7 +348,13 @@ class BackgroundWriter:
                     left = self._since + self._window - time.monotonic()
                     if left <= 0:
                         break
-                    self._not_empty.wait(left)
+                    self._wait(self._not_empty, left)
+                while self._here:  # a batch written on a putting thread goes first (and may come back)
+                    self._waits_here = True
+                    try:
+                        self._wait(self._wrote)
+                    finally:
+                        self._waits_here = False
                 if not self._buf:
                     if self._closed:
                         return

@@ -276,3 +276,169 @@ def test_a_due_batch_the_writer_does_not_come_for_is_handed_over_and_a_stuck_wri
         for gate in gates:
             gate.set()
         writer.close()
+
+
+def _writer_here(window: float, fail_here: list[bool] | None = None) -> tuple[BackgroundWriter, list[tuple]]:
+    """A writer whose due windows may be written on the putting thread: batches as (thread name, ops)."""
+    batches: list[tuple] = []
+
+    def apply(ops: list) -> None:
+        batches.append((threading.current_thread().name, list(ops)))
+
+    def write_here(ops: list) -> None:
+        if fail_here and fail_here.pop(0):
+            raise sqlite3.OperationalError("database is locked")
+        batches.append((threading.current_thread().name, list(ops)))
+
+    return BackgroundWriter(apply, window=window, may_wait=lambda op: type(op) is _Patient,
+                            write_here=write_here, name="the-writer"), batches
+
+
+def _put_for(writer: BackgroundWriter, seconds: float) -> list:
+    """An agent's thread: Python work, a moment without the GIL (os.urandom), a put, about every millisecond."""
+    ops = []
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        sum(range(40_000))
+        os.urandom(16)
+        op = _Patient()
+        ops.append(op)
+        writer.put(op)
+    return ops
+
+
+def test_a_due_windows_batch_is_written_on_the_putting_thread_in_order_and_the_rest_by_the_writer():
+    """Issue 57, "Writing here": a put that finds its window closed takes the batch and writes it itself; what is
+    left when the puts stop is written by the writer within about a window; every op once, in order."""
+    writer, batches = _writer_here(window=0.05)
+    try:
+        ops = _put_for(writer, 0.6)
+        assert _wait_for(lambda: sum(len(b) for _, b in batches) == len(ops))
+        written = [op for _, batch in batches for op in batch]
+        assert written == ops  # once each, in the order put
+        here = [name for name, _ in batches if name == threading.current_thread().name]
+        assert len(here) >= 3, [(name, len(b)) for name, b in batches]  # ~12 windows, most written here
+        assert batches[-1][0] == "the-writer"  # the last window: nobody put after it, the writer wrote it
+    finally:
+        writer.close()
+
+
+def test_a_write_here_that_fails_goes_back_to_the_writer_first_and_is_not_tried_again_until_the_writer_writes():
+    from lightning_rl import diagnostics
+
+    before = diagnostics.counters().get("writes_here_given_back", 0)
+    writer, batches = _writer_here(window=0.05, fail_here=[True] + [False] * 100)
+    writer._early = 0.045  # (of 0.05) the putting thread takes each window's batch long before the writer
+    try:
+        ops = _put_for(writer, 0.4)
+        assert writer.flush(10.0)
+        assert diagnostics.counters().get("writes_here_given_back", 0) - before == 1
+        written = [op for _, batch in batches for op in batch]
+        assert written == ops  # nothing lost, nothing twice, the given-back batch before what came after it
+        names = [name for name, _ in batches]
+        assert names[0] == "the-writer"  # the batch that failed here, and what came meanwhile: the writer's
+        assert threading.current_thread().name in names[1:]  # after the writer wrote, writes here again
+    finally:
+        writer.close()
+
+
+def test_a_write_here_never_waits_for_a_locked_database_and_the_writer_writes_the_spans_later(tmp_path):
+    """The agent's thread never waits on SQLite's lock (30 s by default): the write here fails at once, and the
+    batch goes back to the writer, which waits for the lock as long as it may."""
+    from lightning_rl import diagnostics
+
+    store = SQLiteStore(tmp_path / "runs.db")
+    blocker = sqlite3.connect(tmp_path / "runs.db", isolation_level=None)
+    try:
+        store.start_rollout(Rollout(rollout_id="r1", name="agent", status=RolloutStatus.RUNNING, start_time=1.0))
+        assert store.flush(10.0)
+        before = diagnostics.counters().get("writes_here_given_back", 0)
+        blocker.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        writer = store._writer
+        writer._early = COMMIT_WINDOW - 0.01  # the window's batch is the putting thread's to take first
+        started = time.monotonic()
+        writer.put(TracedSpan(_span_row("r1", 1)))
+        writer.put(TracedSpan(_span_row("r1", 2)))
+        time.sleep(0.015)  # the window is about to close
+        writer.put(TracedSpan(_span_row("r1", 3)))  # writes here: locked, refused at once, given back
+        assert diagnostics.counters().get("writes_here_given_back", 0) - before == 1
+        for seq in range(4, 40):  # the writer waits for the lock with the batch: they queue (one hand-over wait)
+            writer.put(TracedSpan(_span_row("r1", seq)))
+        assert time.monotonic() - started < 2.0  # no put waited for the lock
+        blocker.execute("COMMIT")
+        assert store.flush(30.0)
+        with sqlite3.connect(tmp_path / "runs.db") as reader:
+            assert reader.execute("SELECT count(*), min(seq), max(seq) FROM spans WHERE rollout_id = 'r1'").fetchone() \
+                == (39, 1, 39)
+    finally:
+        blocker.close()
+        store.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads a thread's context switches in /proc")
+def test_a_writer_due_out_of_its_wait_is_let_in_instead_of_losing_the_gil_at_every_put():
+    """Issue 57, "Letting in": with its window's batches written on the agent's thread, the writer still wakes
+    on its timer, and then lost the race for the GIL at every moment the agent let it go (about once a put),
+    a futex round trip on both threads each time. A put that finds it due out of its wait lets it in."""
+    writer, batches = _writer_here(window=0.05)
+    try:
+        native_id = writer._thread.native_id
+        before = _voluntary_switches(native_id)
+        ops = _put_for(writer, 1.0)
+        switches = _voluntary_switches(native_id) - before
+        assert switches < len(ops) * 0.3, (switches, len(ops))  # a few a window, not one a put
+        assert writer.flush(10.0)
+        assert [op for _, batch in batches for op in batch] == ops
+    finally:
+        writer.close()
+
+
+def test_threads_putting_at_once_write_each_window_once_each_op_once_in_each_threads_order():
+    writer, batches = _writer_here(window=0.03)
+    results: dict[str, list] = {}
+
+    def agent() -> None:
+        results[threading.current_thread().name] = _put_for(writer, 0.5)
+
+    threads = [threading.Thread(target=agent, name=f"agent-{i}") for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert writer.flush(10.0)
+        written = [op for _, batch in batches for op in batch]
+        assert len(written) == len(set(map(id, written))) == sum(len(ops) for ops in results.values())
+        position = {id(op): i for i, op in enumerate(written)}
+        for ops in results.values():
+            assert [position[id(op)] for op in ops] == sorted(position[id(op)] for op in ops)
+        assert {name for name, _ in batches} & set(results)  # some windows written by the agents' threads
+    finally:
+        writer.close()
+
+
+def test_an_interrupt_during_a_write_here_gives_the_batch_back_and_the_writer_writes_it():
+    batches: list[list] = []
+    interrupted = [False]
+
+    def write_here(ops: list) -> None:
+        if not interrupted[0]:
+            interrupted[0] = True
+            raise KeyboardInterrupt
+        batches.append(list(ops))
+
+    writer = BackgroundWriter(lambda ops: batches.append(list(ops)), window=0.05,
+                              may_wait=lambda op: type(op) is _Patient, write_here=write_here)
+    writer._early = 0.04
+    try:
+        ops = [_Patient(), _Patient()]
+        for op in ops:
+            writer.put(op)
+        time.sleep(0.015)
+        last = _Patient()
+        with pytest.raises(KeyboardInterrupt):  # the user's Ctrl-C reaches the agent
+            writer.put(last)
+        assert writer.flush(10.0)  # the writer was not left waiting for the batch
+        assert [op for batch in batches for op in batch] == [*ops, last]
+    finally:
+        writer.close()

@@ -119,7 +119,10 @@ class SQLiteStore(KitStore):
             where=repr(self.path), doctor=f"lightning-rl store doctor --store {self.path}",
             folder=Path(self.path + ".spill"), apply=self._apply, keep_aside=self._keep_aside,
             is_record_error=is_record_error, queue_size=self._queue_size, give_up_after=self._give_up_after,
-            name=f"lightning-rl-writer:{Path(self.path).name}")
+            name=f"lightning-rl-writer:{Path(self.path).name}",
+            # a running rollout's spans written on the agent's thread when their window closes (writer.py,
+            # "Writing here"), except where every commit waits for the disk (synchronous=full)
+            apply_here=None if self.synchronous == "full" else self._apply_here)
         self._writer, self._spills = self._durable.writer, self._durable.spills
 
     def _open_read_only(self) -> None:
@@ -208,6 +211,16 @@ class SQLiteStore(KitStore):
     # -- the writer thread ------------------------------------------------------------------------
     def _apply(self, ops: list[Op], sharer: PrefixSharer) -> list[str]:
         return apply_ops(self._wconn, ops, sharer)
+
+    def _apply_here(self, ops: list[Op], sharer: PrefixSharer) -> list[str]:
+        """``_apply`` on a putting thread: the database's lock is not waited for (``database is locked`` at once,
+        and the writer writes the batch, waiting as long as it may)."""
+        conn = self._wconn
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            return apply_ops(conn, ops, sharer)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
 
     def _keep_aside(self, note: Quarantine) -> bool:
         """One record set aside (``durable.py``), in its own transaction."""
