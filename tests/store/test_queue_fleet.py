@@ -260,10 +260,15 @@ def test_a_fleet_queue_bench_whose_queue_runs_dry_says_so_and_times_no_empty_lea
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    small = [r for r in rows if r["in_flight"] == 200]  # 100 queued, no spare: 2 processes empty it at once
+    small = [r for r in rows if r["in_flight"] == 200]  # 100 queued and no spare, for 0.5 s
     assert len(small) == 2 and all(r["spare"] == 0 for r in small)
     for r in small:
-        assert r["leased"] == r["completed"] == 100, r
-        assert r["leases"] == r["leased"] + 2, r  # one empty lease a process, then it stops
-        assert 0 <= r["ran_dry_after_s"] < 0.5, r
-        assert f"{r['store']}, new, 2 processes, 200 in flight: the queue ran dry" in done.stderr
+        assert r["leased"] == r["completed"] <= 100 and r["errors"] == 0, r
+        warned = f"{r['store']}, new, 2 processes, 200 in flight: the queue ran dry" in done.stderr
+        if r["ran_dry_after_s"] is None:  # the server on a loaded machine may not empty it in 0.5 s
+            assert r["leases"] == r["leased"] and not warned, r
+        else:
+            assert r["leased"] == 100 and 0 <= r["ran_dry_after_s"] < 0.5 and warned, r
+            assert r["leased"] < r["leases"] <= r["leased"] + 2, r  # one empty lease a process, then it stops
+    # one SQLite file takes hundreds of tries a second even on a loaded machine: it runs dry
+    assert [r for r in small if r["store"] == "sqlite"][0]["ran_dry_after_s"] is not None
