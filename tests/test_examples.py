@@ -76,7 +76,9 @@ def test_continuous_demo_trains_through_the_cli(tmp_path):
     # after it, and traffic lasted until they were made (two 20 s windows past the bad phase at least)
     assert not summary["capped"] and summary["updates"] >= 3 and summary["rollouts"] >= 100
     bad_from, bad_until, _ = summary["bad_phase"]
-    assert 0 < bad_from < bad_until <= summary["traffic_minutes"] - 40 / 60
+    # (both minutes are rounded to 2 decimals: 0.005 each way; the fresh-clone run of 2026-11-29 had 0.70 against
+    # 1.36, the demo's own rule, traffic at least 40 s past the bad phase, holding before the rounding)
+    assert 0 < bad_from < bad_until <= summary["traffic_minutes"] - 40 / 60 + 0.01
     assert 0 < summary["rewards_given"] <= summary["rollouts"] - summary["feedback_never"]
     assert summary["trained_on"] <= summary["rewards_given"]
     assert os.path.getsize(summary["plot"]) > 0
