@@ -237,7 +237,6 @@ class BackgroundWriter:
                 self._urgent = True  # the writer writes it at once, with what came meanwhile
                 self._call_writer(now)
             else:
-                count("writes_here")
                 self._written += 1
             if self._waits_here:
                 self._wake_at = min(self._wake_at, now)
