@@ -184,7 +184,7 @@ def test_only_the_first_read_of_a_process_waits_and_a_read_in_flight_is_not_aske
         t0 = time.monotonic()
         for _ in range(200):
             assert versions.version("policy") == 3 and versions.served_as("policy") is None
-        assert time.monotonic() - t0 < 0.2  # no call waits on the read in flight
+        assert time.monotonic() - t0 < 0.45  # no call waits on the read in flight (one wait is 0.5 s)
         assert len(asked) == 1 and len(checked) == 1  # one read, one look at the sink, within the interval
     finally:
         release.set()
