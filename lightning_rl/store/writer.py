@@ -53,8 +53,9 @@ Python and lets it go only for a moment, the waiting thread is woken at each suc
 each time (CPython asks the holder to drop it only after a whole switch interval with no switch at all), one
 futex round trip on both threads per put: 978 voluntary switches of the writer for 1,000 calls at 40+4,
 16 us a call. A put that finds the writer ``HAND_OVER_AFTER`` past when it was due out of its wait and not
-out yet waits until it is (letting the GIL go), one window at most, and not again until it comes out
-(``writer_let_in``): 139 switches, 6 us.
+out yet waits until it is (letting the GIL go): 139 switches, 6 us. That is the normal path, not counted;
+a writer not out within one window is (``writer_let_ins_timed_out``), and is not waited on again until it
+comes out.
 
 Two failures, two paths. The spill is for a store that cannot be written at all (locked, full,
 away). A batch that fails for a reason in its own data (``is_record_error``: a value the database
@@ -208,10 +209,10 @@ class BackgroundWriter:
         """The writer is due out of its wait and has not come out: it waits for the GIL, which it may not get
         while this thread runs Python (module doc, "Letting in"). This thread lets it go until the writer is out,
         for one window at most (and not again until it comes out). Called with the lock held."""
-        target = self._check_ins + 1
-        count("writer_let_in")
+        target = self._check_ins + 1  # (the normal path: not counted; a writer not out in a window is)
         if not self._checked.wait_for(lambda: self._check_ins >= target or self._closed, self._window):
             self._stuck_check_in = self._check_ins
+            count("writer_let_ins_timed_out")
 
     def _written_here(self, batch: list[Any]) -> None:
         """Write a due window's batch on this (putting) thread (module doc, "Writing here"); if that raises, the

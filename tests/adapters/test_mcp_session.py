@@ -125,7 +125,9 @@ async def test_session_tool_calls_are_tool_spans(traced, request, transport):
     assert slow.status_code == "ERROR" and slow.status_message.startswith("MCPError: ") and "timed out" in \
         slow.status_message
     assert semconv.TOOL_RESULT not in slow.attributes
-    assert lrl.stats() == {"rollouts_without_llm_calls": 1, "rollout without llm calls": 1}  # nothing failed
+    # nothing failed (how long the agent's thread waited for the store's writer depends on the machine's load)
+    went_wrong = {name: n for name, n in lrl.stats().items() if not name.startswith("writer_")}
+    assert went_wrong == {"rollouts_without_llm_calls": 1, "rollout without llm calls": 1}
 
 
 async def test_the_high_level_client_in_process_is_one_span_per_call(traced):

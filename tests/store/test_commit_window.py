@@ -401,6 +401,34 @@ def test_a_writer_due_out_of_its_wait_is_let_in_instead_of_losing_the_gil_at_eve
         writer.close()
 
 
+def test_a_let_in_is_the_normal_path_and_only_a_writer_not_out_within_a_window_is_counted():
+    """lrl.stats() lists what went wrong or waited: a let-in that the writer comes out for is neither (a
+    fresh-clone run failed test_mcp_session on {'writer_let_in': 1}); a writer that does not come out within
+    the window it is given is counted, and not waited on again until it comes out."""
+    from lightning_rl import diagnostics
+
+    writer, _ = _writer_here(window=0.05)
+    before = diagnostics.counters()
+    try:
+        assert _wait_for(lambda: writer._sleeping)
+        writer.put(_Patient())  # wakes the writer, which waits a window for company: it comes out on its timer
+        with writer._lock:
+            writer._let_in()
+            assert writer._stuck_check_in != writer._check_ins  # it came out
+        assert diagnostics.counters() == before
+        assert writer.flush(10.0) and _wait_for(lambda: writer._sleeping)  # asleep until an op comes
+        with writer._lock:
+            started = time.monotonic()
+            writer._let_in()
+            assert 0.045 <= time.monotonic() - started < 5.0  # one window, then the put goes on
+            assert writer._stuck_check_in == writer._check_ins  # not again until the writer comes out
+        after = diagnostics.counters()
+        assert after.pop("writer_let_ins_timed_out") - before.get("writer_let_ins_timed_out", 0) == 1
+        assert after == before
+    finally:
+        writer.close()
+
+
 def test_threads_putting_at_once_write_each_window_once_each_op_once_in_each_threads_order():
     writer, batches = _writer_here(window=0.03)
     results: dict[str, list] = {}
