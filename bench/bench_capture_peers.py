@@ -66,6 +66,7 @@ import os
 import pickle
 import platform
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -925,7 +926,7 @@ def main() -> None:
                            "platform": platform.platform(), "cpus": os.cpu_count(),
                            "loadavg_start": os.getloadavg(), "versions": versions(*PACKAGES)}
     tmp = Path(tempfile.mkdtemp(prefix="lrl-bench-peers-"))
-    print(f"workers' logs and stores: {tmp}", file=sys.stderr)
+    print(f"workers' logs and stores: {tmp} (removed at the end unless a contender failed)", file=sys.stderr)
     results: list[dict[str, Any]] = []
     env["workers"] = {}
     started = time.monotonic()
@@ -947,6 +948,10 @@ def main() -> None:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(line + "\n")
+    if any(r.get("status") == "failed" for r in results):  # what a failed worker left is what says why
+        print(f"kept for the failed contenders: {tmp}", file=sys.stderr)
+    else:  # the stores alone are tens of MB a run
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
